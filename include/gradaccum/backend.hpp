@@ -1,0 +1,168 @@
+#pragma once
+/// @file
+/// @brief The backend contract: `tensor_backend` and `serializable_backend`.
+///
+/// A backend is a traits type; the library never names a tensor library. It must provide
+/// (T ranges over `element_types`, which must contain `float` and `double`; W is float or double;
+/// X is `tensor<T>` or, if the backend has views, `view<T>`):
+///
+/// @code
+/// struct my_backend {
+///   using device_type = ...;                               // equality-comparable
+///   using element_types = gradaccum::type_list<float, double /*, 16-bit types */>;
+///   template <class T> using tensor = ...;                 // owning, evaluated tensor
+///   template <class T> using view = ...;                   // optional: read-only view of caller memory
+///   static gradaccum::tensor_shape shape(const X&);
+///   static device_type device(const X&);
+///   template <class W> static tensor<W> zeros(const gradaccum::tensor_shape&, const device_type&);
+///   static void add_scaled(tensor<W>& acc, const X& g, W scale) noexcept;   // acc += scale · W(g)
+///   static void divide(tensor<W>& acc, W first, W second) noexcept;        // acc = acc / first / second
+///   static bool all_finite(const tensor<W>&) noexcept;
+///   template <class W> static tensor<W> convert(const X&);
+///   // serializable_backend adds:
+///   static void to_row_major(const tensor<T>&, std::span<T> out);
+///   template <class T> static tensor<T> from_row_major(std::span<const T>, const gradaccum::tensor_shape&,
+///                                                      const device_type&);
+/// };
+/// @endcode
+
+#include <concepts>
+#include <span>
+
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/shape.hpp"
+#include "gradaccum/type_list.hpp"
+
+namespace gradaccum {
+namespace detail {
+
+template <class B>
+concept has_views = requires { typename B::template view<float>; };
+
+template <class B>
+concept has_backend_types = requires {
+  typename B::device_type;
+  typename B::element_types;
+  typename B::template tensor<float>;
+  typename B::template tensor<double>;
+};
+
+/// What the library does with an incoming gradient of type X (a tensor or a view).
+template <class B, class X>
+concept backend_input = requires(const X& g, typename B::template tensor<float>& acc32,
+                                 typename B::template tensor<double>& acc64) {
+  { B::shape(g) } -> std::same_as<tensor_shape>;
+  { B::device(g) } -> std::convertible_to<typename B::device_type>;
+  { B::add_scaled(acc32, g, 1.0F) } noexcept;
+  { B::add_scaled(acc64, g, 1.0) } noexcept;
+  { B::template convert<float>(g) } -> std::same_as<typename B::template tensor<float>>;
+  { B::template convert<double>(g) } -> std::same_as<typename B::template tensor<double>>;
+};
+
+/// What the library does with a pending tensor of work type W.
+template <class B, class W>
+concept backend_work = requires(typename B::template tensor<W>& acc, const typename B::template tensor<W>& pending,
+                                const tensor_shape& shape, const typename B::device_type& device, W scalar) {
+  { B::template zeros<W>(shape, device) } -> std::same_as<typename B::template tensor<W>>;
+  { B::divide(acc, scalar, scalar) } noexcept;
+  { B::all_finite(pending) } noexcept -> std::same_as<bool>;
+};
+
+template <class B, class T>
+struct element_supported
+    : std::bool_constant<element_type<T> && backend_input<B, typename B::template tensor<T>> &&
+                         std::copyable<typename B::template tensor<T>>> {};
+
+template <class B, class List>
+struct all_elements_supported;
+template <class B, class... Ts>
+struct all_elements_supported<B, type_list<Ts...>>
+    : std::bool_constant<(element_supported<B, Ts>::value && ...) &&
+                         list_contains<float, type_list<Ts...>>::value &&
+                         list_contains<double, type_list<Ts...>>::value> {};
+
+template <class B, class List>
+struct all_views_supported;
+template <class B, class... Ts>
+struct all_views_supported<B, type_list<Ts...>>
+    : std::bool_constant<(backend_input<B, typename B::template view<Ts>> && ...)> {};
+
+template <class B, class T>
+concept row_major_io = requires(const typename B::template tensor<T>& t, std::span<T> out, std::span<const T> in,
+                                const tensor_shape& shape, const typename B::device_type& device) {
+  B::to_row_major(t, out);
+  { B::template from_row_major<T>(in, shape, device) } -> std::same_as<typename B::template tensor<T>>;
+};
+
+template <class B, class List>
+struct all_row_major_io;
+template <class B, class... Ts>
+struct all_row_major_io<B, type_list<Ts...>> : std::bool_constant<(row_major_io<B, Ts> && ...)> {};
+
+}  // namespace detail
+
+/// @brief A traits type `B` that lets the library create, accumulate into and divide tensors.
+template <class B>
+concept tensor_backend =
+    detail::has_backend_types<B> && std::equality_comparable<typename B::device_type> &&
+    std::copyable<typename B::device_type> && detail::backend_work<B, float> && detail::backend_work<B, double> &&
+    detail::all_elements_supported<B, typename B::element_types>::value &&
+    (!detail::has_views<B> || detail::all_views_supported<B, typename B::element_types>::value);
+
+/// @brief A backend whose tensors can be copied to and from row-major buffers (records).
+template <class B>
+concept serializable_backend =
+    tensor_backend<B> && detail::all_row_major_io<B, typename B::element_types>::value;
+
+namespace detail {
+
+/// Explains, one requirement at a time, why `B` is not a `tensor_backend`: concept failures
+/// alone print pages of template context, these name the missing piece and its signature.
+template <class B>
+consteval bool check_backend() {
+  static_assert(requires { typename B::device_type; },
+                "gradaccum backend: missing `using device_type = ...;` (an equality-comparable device tag)");
+  static_assert(requires { typename B::element_types; },
+                "gradaccum backend: missing `using element_types = gradaccum::type_list<float, double, ...>;`");
+  static_assert(requires { typename B::template tensor<float>; },
+                "gradaccum backend: missing `template <class T> using tensor = ...;`");
+  if constexpr (has_backend_types<B>) {
+    using f32 = typename B::template tensor<float>;
+    static_assert(std::equality_comparable<typename B::device_type>,
+                  "gradaccum backend: `device_type` must be equality-comparable (operator==)");
+    static_assert(list_contains<float, typename B::element_types>::value &&
+                      list_contains<double, typename B::element_types>::value,
+                  "gradaccum backend: `element_types` must contain float and double (the work types)");
+    static_assert(requires(const f32& t) {
+      { B::shape(t) } -> std::same_as<tensor_shape>;
+    }, "gradaccum backend: missing `static gradaccum::tensor_shape shape(const tensor<T>&)`");
+    static_assert(requires(const f32& t) {
+      { B::device(t) } -> std::convertible_to<typename B::device_type>;
+    }, "gradaccum backend: missing `static device_type device(const tensor<T>&)`");
+    static_assert(requires(const tensor_shape& s, const typename B::device_type& d) {
+      { B::template zeros<float>(s, d) } -> std::same_as<f32>;
+    }, "gradaccum backend: missing `template <class W> static tensor<W> zeros(const gradaccum::tensor_shape&, "
+       "const device_type&)`");
+    static_assert(requires(f32& acc, const f32& g) {
+      { B::add_scaled(acc, g, 1.0F) } noexcept;
+    }, "gradaccum backend: missing `static void add_scaled(tensor<W>& acc, const tensor<T>& g, W scale) noexcept` "
+       "(acc += scale * W(g))");
+    static_assert(requires(f32& acc) {
+      { B::divide(acc, 1.0F, 1.0F) } noexcept;
+    }, "gradaccum backend: missing `static void divide(tensor<W>& acc, W first, W second) noexcept` "
+       "(acc = acc / first / second)");
+    static_assert(requires(const f32& t) {
+      { B::all_finite(t) } noexcept -> std::same_as<bool>;
+    }, "gradaccum backend: missing `static bool all_finite(const tensor<W>&) noexcept`");
+    static_assert(requires(const f32& t) {
+      { B::template convert<double>(t) } -> std::same_as<typename B::template tensor<double>>;
+    }, "gradaccum backend: missing `template <class W> static tensor<W> convert(const tensor<T>&)`");
+    static_assert(tensor_backend<B>,
+                  "gradaccum backend: every element type needs element_dtype<T>, shape, device, add_scaled "
+                  "into float and double tensors, and convert (for tensors and, if declared, views)");
+  }
+  return true;
+}
+
+}  // namespace detail
+}  // namespace gradaccum

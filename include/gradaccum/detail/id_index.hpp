@@ -1,0 +1,73 @@
+#pragma once
+/// @file
+/// @brief Open-addressing index from string ids to positions in a caller-owned vector.
+///
+/// Unlike `std::unordered_map`, capacity is reserved up front and insertion never allocates,
+/// which is what lets the containers commit new entries with the strong guarantee.
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+namespace gradaccum::detail {
+
+class id_index {
+ public:
+  /// Position of `id`, where `key_of(position)` gives the id stored at a position.
+  template <class KeyOf>
+  [[nodiscard]] std::optional<std::size_t> find(std::string_view id, const KeyOf& key_of) const noexcept {
+    if (slots_.empty()) return std::nullopt;
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t slot = hash(id) & mask;; slot = (slot + 1) & mask) {
+      const std::uint32_t stored = slots_[slot];
+      if (stored == 0) return std::nullopt;
+      if (key_of(stored - 1) == id) return stored - 1;
+    }
+  }
+
+  /// Makes room for `count` entries; the only operation that allocates (strong guarantee).
+  template <class KeyOf>
+  void reserve(std::size_t count, const KeyOf& key_of) {
+    std::size_t capacity = 8;
+    while (capacity < 2 * count) capacity *= 2;
+    if (capacity <= slots_.size()) return;
+    std::vector<std::uint32_t> grown(capacity, 0);
+    grown.swap(slots_);
+    rebuild(size_, key_of);
+  }
+
+  /// Adds `position` under `id`; `reserve(size() + 1)` must have been called.
+  void insert(std::size_t position, std::string_view id) noexcept {
+    const std::size_t mask = slots_.size() - 1;
+    std::size_t slot = hash(id) & mask;
+    while (slots_[slot] != 0) slot = (slot + 1) & mask;
+    slots_[slot] = static_cast<std::uint32_t>(position + 1);
+    ++size_;
+  }
+
+  /// Re-inserts positions [0, count) after entries moved (no allocation).
+  template <class KeyOf>
+  void rebuild(std::size_t count, const KeyOf& key_of) noexcept {
+    std::fill(slots_.begin(), slots_.end(), 0U);
+    size_ = 0;
+    for (std::size_t position = 0; position < count; ++position) insert(position, key_of(position));
+  }
+
+  void clear() noexcept {
+    slots_.clear();
+    size_ = 0;
+  }
+
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+
+ private:
+  static std::size_t hash(std::string_view id) noexcept { return std::hash<std::string_view>{}(id); }
+
+  std::vector<std::uint32_t> slots_;  // 0 = empty, otherwise position + 1
+  std::size_t size_ = 0;
+};
+
+}  // namespace gradaccum::detail

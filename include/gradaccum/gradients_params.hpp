@@ -1,0 +1,376 @@
+#pragma once
+/// @file
+/// @brief `gradients_params<B>`: the gradients present for a microbatch, keyed by parameter id.
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "gradaccum/backend.hpp"
+#include "gradaccum/detail/id_index.hpp"
+#include "gradaccum/detail/variant.hpp"
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
+#include "gradaccum/parameter_set.hpp"
+#include "gradaccum/records.hpp"
+
+namespace gradaccum {
+
+template <class B>
+class gradients_params;
+
+namespace detail {
+
+template <class B>
+[[noreturn]] void fail_unknown(std::string_view id) {
+  fail(errc::unknown_parameters, "gradient '" + std::string(id) + "' names no parameter of the parameter set.",
+       std::string(id));
+}
+
+/// Position of `id` in `params`, checking geometry; throws unknown_parameters or parameter_mismatch.
+template <class B, class X>
+std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X& value, std::size_t hint) {
+  const auto position = params.find(id, hint);
+  if (!position) fail_unknown<B>(id);
+  const auto& param = params[*position];
+  const tensor_shape shape = B::shape(value);
+  if (shape != param.shape) {
+    fail(errc::parameter_mismatch,
+         "gradient '" + std::string(id) + "' has shape " + shape.to_string() + " but its parameter has shape " +
+             param.shape.to_string() + ".",
+         std::string(id));
+  }
+  if (!(B::device(value) == param.device)) {
+    fail(errc::parameter_mismatch, "gradient '" + std::string(id) + "' is on another device than its parameter.",
+         std::string(id));
+  }
+  return *position;
+}
+
+template <float_dtype D, class F>
+decltype(auto) with_work_type(F&& f) {
+  return std::forward<F>(f).template operator()<work_type<D>>();
+}
+
+/// Calls `f.template operator()<W>()` with W the C++ type of work dtype `dtype`.
+template <class F>
+decltype(auto) visit_work_dtype(float_dtype dtype, F&& f) {
+  if (dtype == float_dtype::f64) return with_work_type<float_dtype::f64>(std::forward<F>(f));
+  return with_work_type<float_dtype::f32>(std::forward<F>(f));
+}
+
+inline void require_work_dtype(float_dtype dtype) {
+  if (!is_work_dtype(dtype)) {
+    fail(errc::invalid_dtype,
+         "dtype " + std::string(to_string(dtype)) + " cannot be used for arithmetic; use F32 or F64.");
+  }
+}
+
+inline void require_scalar(double value, float_dtype dtype, bool divisor) {
+  const bool narrows_to_zero = dtype == float_dtype::f32 && static_cast<float>(value) == 0.0F && value != 0.0;
+  if (!representable(value, dtype) || narrows_to_zero || (divisor && value == 0.0)) {
+    fail(errc::invalid_scalar, std::string(divisor ? "divisor " : "multiplier ") + std::to_string(value) +
+                                   " is not representable as a " + (divisor ? "non-zero " : "") +
+                                   std::string(to_string(dtype)) + " value.");
+  }
+}
+
+}  // namespace detail
+
+/// @brief Gradients present for some parameters, each a tensor (or view) of any element type
+/// the backend supports. Absent means absent: nothing is invented for a missing parameter.
+///
+/// Entries keep insertion order; giving them in parameter order makes id resolution a single
+/// string comparison each.
+template <class B>
+class gradients_params {
+  static_assert(detail::check_backend<B>());
+
+ public:
+  /// A tensor or view of any supported element type.
+  using value_type = detail::gradient_variant_t<B>;
+  template <class T>
+  using tensor = typename B::template tensor<T>;
+
+  struct entry {
+    std::string id;
+    value_type value;
+  };
+
+  /// @brief Stores `value` (a tensor, moved or copied, or a view of caller memory) under `id`,
+  /// replacing any previous gradient for `id`. Expressions must be evaluated first.
+  template <class X>
+    requires detail::is_gradient_alternative<B, X>
+  void insert(std::string_view id, X&& value) {
+    using stored = stored_type<std::remove_cvref_t<X>>;
+    if (const auto position = find(id)) {
+      entries_[*position].value.template emplace<stored>(std::forward<X>(value));
+      return;
+    }
+    entry added{std::string(id), value_type(std::in_place_type<stored>, std::forward<X>(value))};
+    push_back(std::move(added));
+  }
+
+  /// @brief The owned tensor of element type T under `id`; null when absent, of another
+  /// element type, or a view.
+  template <class T>
+  [[nodiscard]] const tensor<T>* get(std::string_view id) const noexcept {
+    const auto position = find(id);
+    return position ? std::get_if<tensor<T>>(&entries_[*position].value) : nullptr;
+  }
+  template <class T>
+  [[nodiscard]] tensor<T>* get(std::string_view id) noexcept {
+    const auto position = find(id);
+    return position ? std::get_if<tensor<T>>(&entries_[*position].value) : nullptr;
+  }
+
+  /// @brief The gradient under `id` whatever its type; null when absent.
+  [[nodiscard]] const value_type* find_value(std::string_view id) const noexcept {
+    const auto position = find(id);
+    return position ? &entries_[*position].value : nullptr;
+  }
+
+  /// @brief The dtype of the gradient under `id`, if present.
+  [[nodiscard]] std::optional<float_dtype> dtype(std::string_view id) const noexcept {
+    const value_type* value = find_value(id);
+    if (!value) return std::nullopt;
+    return dtype_of_value(*value);
+  }
+
+  /// @brief Removes the gradient under `id`; returns whether there was one.
+  bool erase(std::string_view id) noexcept {
+    const auto position = find(id);
+    if (!position) return false;
+    entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(*position));
+    index_.rebuild(entries_.size(), key_of());
+    return true;
+  }
+
+  void clear() noexcept {
+    entries_.clear();
+    index_.clear();
+  }
+
+  [[nodiscard]] bool contains(std::string_view id) const noexcept { return find(id).has_value(); }
+  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+  [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
+  [[nodiscard]] auto begin() const noexcept { return entries_.cbegin(); }
+  [[nodiscard]] auto end() const noexcept { return entries_.cend(); }
+
+  /// @brief Checks that every id is a parameter of `params` with the same shape and device.
+  /// @throws error(errc::unknown_parameters) or error(errc::parameter_mismatch), naming the id.
+  void validate_for(const parameter_set<B>& params) const {
+    std::size_t hint = 0;
+    for (const entry& e : entries_) {
+      hint = detail::visit_gradient([&](const auto& value) { return detail::resolve(params, e.id, value, hint); },
+                                    e.value) +
+             1;
+    }
+  }
+
+  /// @brief Validated copy with every gradient converted to work dtype `dtype`.
+  [[nodiscard]] gradients_params cast_for(const parameter_set<B>& params, float_dtype dtype) const {
+    return transformed_for(params, dtype, [](auto&) noexcept {});
+  }
+
+  /// @brief Validated copy: `g ← W(multiplier) · W(g)` in work dtype `dtype`.
+  /// @throws error(errc::invalid_scalar) when `multiplier` is not representable in `dtype`.
+  [[nodiscard]] gradients_params scaled_for(const parameter_set<B>& params, double multiplier,
+                                            float_dtype dtype) const {
+    detail::require_work_dtype(dtype);
+    detail::require_scalar(multiplier, dtype, false);
+    return transformed_for(params, dtype, [&]<class W>(tensor<W>& t) noexcept {
+      auto zero = B::template zeros<W>(B::shape(t), B::device(t));
+      B::add_scaled(zero, t, static_cast<W>(multiplier));
+      t = std::move(zero);
+    });
+  }
+
+  /// @brief Validated copy: `g ← W(g) / W(divisor)` in work dtype `dtype`.
+  /// @throws error(errc::invalid_scalar) when `divisor` is zero or not representable in `dtype`.
+  [[nodiscard]] gradients_params unscaled_for(const parameter_set<B>& params, double divisor,
+                                              float_dtype dtype) const {
+    detail::require_work_dtype(dtype);
+    detail::require_scalar(divisor, dtype, true);
+    return transformed_for(params, dtype,
+                           [&]<class W>(tensor<W>& t) noexcept { B::divide(t, static_cast<W>(divisor), W{1}); });
+  }
+
+  /// @brief Row-major record of every gradient, sorted by id.
+  [[nodiscard]] gradients_params_record to_record() const
+    requires serializable_backend<B>
+  {
+    std::vector<const entry*> sorted;
+    sorted.reserve(entries_.size());
+    for (const entry& e : entries_) sorted.push_back(&e);
+    std::sort(sorted.begin(), sorted.end(), [](const entry* a, const entry* b) { return a->id < b->id; });
+    gradients_params_record record;
+    record.tensors.reserve(sorted.size());
+    for (const entry* e : sorted) {
+      detail::visit_gradient([&](const auto& value) { record.tensors.push_back(record_of(e->id, value)); }, e->value);
+    }
+    return record;
+  }
+
+  /// @brief Rebuilds gradients from a record, on the devices of `params`.
+  /// @throws error(errc::invalid_record) for a malformed record, error(errc::unknown_parameters)
+  /// for an id outside `params`, error(errc::parameter_mismatch) for a shape that differs, and
+  /// error(errc::invalid_dtype) for a dtype the backend has no element type for.
+  [[nodiscard]] static gradients_params from_record(const parameter_set<B>& params,
+                                                    const gradients_params_record& record)
+    requires serializable_backend<B>
+  {
+    validate(record);
+    for (const tensor_record& t : record.tensors) check_against(params, t);
+    gradients_params restored;
+    restored.entries_.reserve(record.tensors.size());
+    restored.index_.reserve(record.tensors.size(), restored.key_of());
+    for (const tensor_record& t : record.tensors) {
+      const auto& param = params[*params.find(t.id)];
+      restored.push_back(entry{t.id, tensor_from_record(t, param.shape, param.device)});
+    }
+    return restored;
+  }
+
+  /// @brief The dtype of a stored gradient.
+  static float_dtype dtype_of_value(const value_type& value) noexcept {
+    return detail::visit_gradient([](const auto& v) { return dtype_of<detail::element_of<B, decltype(v)>>; }, value);
+  }
+
+ private:
+  template <class>
+  friend class gradients_accumulator;
+
+  /// Tensors are stored as they are; views inside a re-seatable slot.
+  template <class X>
+  using stored_type = std::conditional_t<std::is_same_v<X, tensor<detail::element_of<B, X>>>, X, detail::view_slot<X>>;
+
+  std::optional<std::size_t> find(std::string_view id) const noexcept { return index_.find(id, key_of()); }
+
+  auto key_of() const noexcept {
+    return [this](std::size_t position) -> std::string_view { return entries_[position].id; };
+  }
+
+  /// Appends with the strong guarantee: reserve both containers, then commit without throwing.
+  void push_back(entry&& added) {
+    reserve(entries_.size() + 1);
+    entries_.push_back(std::move(added));
+    index_.insert(entries_.size() - 1, entries_.back().id);
+  }
+
+  void reserve(std::size_t count) {
+    entries_.reserve(count);
+    index_.reserve(count, key_of());
+  }
+
+  /// Appends within reserved capacity (see `reserve`).
+  void push_back_reserved(entry&& added) noexcept {
+    entries_.push_back(std::move(added));
+    index_.insert(entries_.size() - 1, entries_.back().id);
+  }
+
+  template <class F>
+  gradients_params transformed_for(const parameter_set<B>& params, float_dtype dtype, F&& transform) const {
+    detail::require_work_dtype(dtype);
+    validate_for(params);
+    gradients_params result;
+    result.reserve(entries_.size());
+    for (const entry& e : entries_) {
+      detail::visit_work_dtype(dtype, [&]<class W>() {
+        auto converted =
+            detail::visit_gradient([](const auto& value) { return B::template convert<W>(value); }, e.value);
+        transform(converted);
+        result.push_back_reserved(entry{e.id, value_type(std::in_place_type<tensor<W>>, std::move(converted))});
+      });
+    }
+    return result;
+  }
+
+  static void check_against(const parameter_set<B>& params, const tensor_record& t) {
+    const auto position = params.find(t.id);
+    if (!position) {
+      detail::fail(errc::unknown_parameters, "record tensor '" + t.id + "' names no parameter of the parameter set.",
+                   t.id);
+    }
+    const tensor_shape shape = detail::record_shape(t);
+    if (shape != params[*position].shape) {
+      detail::fail(errc::parameter_mismatch,
+                   "record tensor '" + t.id + "' has shape " + shape.to_string() + " but its parameter has shape " +
+                       params[*position].shape.to_string() + ".",
+                   t.id);
+    }
+    if (!supports(t.dtype)) {
+      detail::fail(errc::invalid_dtype,
+                   "record tensor '" + t.id + "' has dtype " + std::string(to_string(t.dtype)) +
+                       ", which this backend has no element type for.",
+                   t.id);
+    }
+  }
+
+  static bool supports(float_dtype dtype) noexcept {
+    bool found = false;
+    detail::for_each_type<typename B::element_types>([&]<class T>() { found |= dtype_of<T> == dtype; });
+    return found;
+  }
+
+  template <class X>
+  static tensor_record record_of(const std::string& id, const X& value) {
+    using T = detail::element_of<B, X>;
+    const tensor<T>* owned = nullptr;
+    tensor<T> copy;
+    if constexpr (std::is_same_v<std::remove_cvref_t<X>, tensor<T>>) {
+      owned = &value;
+    } else {
+      copy = B::template convert<T>(value);  // a view: copy it into an owned tensor first
+      owned = &copy;
+    }
+    tensor_record record{id, dtype_of<T>, {}, {}};
+    const tensor_shape shape = B::shape(*owned);
+    record.shape.assign(shape.begin(), shape.end());
+    using stored = std::conditional_t<sizeof(T) == 2, std::uint16_t, T>;
+    std::vector<stored> values(*shape.checked_element_count());
+    if constexpr (sizeof(T) == 2) {
+      std::vector<T> elements(values.size());
+      B::to_row_major(*owned, std::span<T>(elements));
+      std::transform(elements.begin(), elements.end(), values.begin(),
+                     [](T x) { return std::bit_cast<std::uint16_t>(x); });
+    } else {
+      B::to_row_major(*owned, std::span<T>(values));
+    }
+    record.values = std::move(values);
+    return record;
+  }
+
+  static value_type tensor_from_record(const tensor_record& t, const tensor_shape& shape,
+                                       const typename B::device_type& device) {
+    std::optional<value_type> result;
+    detail::for_each_type<typename B::element_types>([&]<class T>() {
+      if (dtype_of<T> != t.dtype || result) return;
+      if constexpr (sizeof(T) == 2) {
+        const auto& bits = std::get<std::vector<std::uint16_t>>(t.values);
+        std::vector<T> elements(bits.size());
+        std::transform(bits.begin(), bits.end(), elements.begin(), [](std::uint16_t b) { return std::bit_cast<T>(b); });
+        result.emplace(std::in_place_type<tensor<T>>,
+                       B::template from_row_major<T>(std::span<const T>(elements), shape, device));
+      } else {
+        const auto& values = std::get<std::vector<T>>(t.values);
+        result.emplace(std::in_place_type<tensor<T>>,
+                       B::template from_row_major<T>(std::span<const T>(values), shape, device));
+      }
+    });
+    return std::move(*result);
+  }
+
+  std::vector<entry> entries_;
+  detail::id_index index_;
+};
+
+}  // namespace gradaccum

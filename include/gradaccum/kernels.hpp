@@ -1,0 +1,147 @@
+#pragma once
+/// @file
+/// @brief Elementwise kernels over contiguous host memory, shared by every CPU backend.
+///
+/// A backend whose tensors live in contiguous host memory (Eigen, xtensor, a `std::vector`)
+/// implements its `add_scaled`, `divide`, `all_finite` and `convert` by calling these, and
+/// gets the bit-level 16-bit conversion and the optional OpenMP split for free.
+///
+/// The arithmetic is fixed by the accumulation contract, so it is written so the compiler
+/// can neither contract it into an FMA nor reassociate it: each element is converted to the
+/// work type, multiplied, then added (two roundings). Every kernel is elementwise, so splitting
+/// a range across threads gives bit-identical results.
+
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "gradaccum/dtype.hpp"
+
+#if defined(_OPENMP) && !defined(GRADACCUM_DISABLE_OPENMP)
+#include <omp.h>
+#define GRADACCUM_HAS_OPENMP 1
+#endif
+
+#ifndef GRADACCUM_PARALLEL_THRESHOLD
+/// Elements below which a kernel never splits across threads: waking the pool costs a few
+/// microseconds, which only pays off once a tensor no longer fits in the core's own cache.
+#define GRADACCUM_PARALLEL_THRESHOLD (std::size_t{1} << 18)
+#endif
+
+#if defined(__clang__)
+#define GRADACCUM_NO_FP_CONTRACT _Pragma("STDC FP_CONTRACT OFF")
+#else
+#define GRADACCUM_NO_FP_CONTRACT
+#endif
+
+namespace gradaccum::kernels {
+
+/// @brief Widens IEEE binary16 bits to float exactly (normals, subnormals, ±inf, NaN).
+///
+/// Branch-free, so loops over it vectorize; Eigen's `half` conversion goes through a scalar
+/// path that is several times slower.
+constexpr float f16_bits_to_float(std::uint16_t bits) noexcept {
+  const std::uint32_t sign = (std::uint32_t{bits} & 0x8000U) << 16;
+  const std::uint32_t magnitude = std::uint32_t{bits} & 0x7fffU;
+  // Normal numbers: move exponent and mantissa into place and rebias by 127 - 15.
+  const std::uint32_t rebiased = (magnitude << 13) + (std::uint32_t{112} << 23);
+  const std::uint32_t special = (magnitude << 13) | 0x7f800000U;  // inf and NaN keep their payload
+  // Subnormals (and zero) are magnitude * 2^-24, exact in float.
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(static_cast<float>(magnitude) * 0x1p-24F);
+  const std::uint32_t out = magnitude < 0x0400U ? subnormal : magnitude >= 0x7c00U ? special : rebiased;
+  return std::bit_cast<float>(out | sign);
+}
+
+/// @brief Widens bfloat16 bits to float exactly: they are the float's upper half.
+constexpr float bf16_bits_to_float(std::uint16_t bits) noexcept {
+  return std::bit_cast<float>(std::uint32_t{bits} << 16);
+}
+
+/// @brief Converts one element to the work type `W` exactly (16-bit inputs through float).
+template <class W, element_type T>
+constexpr W to_work(T value) noexcept {
+  if constexpr (dtype_of<T> == float_dtype::f16) {
+    return static_cast<W>(f16_bits_to_float(std::bit_cast<std::uint16_t>(value)));
+  } else if constexpr (dtype_of<T> == float_dtype::bf16) {
+    return static_cast<W>(bf16_bits_to_float(std::bit_cast<std::uint16_t>(value)));
+  } else {
+    return static_cast<W>(value);
+  }
+}
+
+}  // namespace gradaccum::kernels
+
+namespace gradaccum::detail {
+
+/// Runs `body(begin, end)` over [0, count), split across the OpenMP pool for large counts.
+template <class F>
+void for_ranges(std::size_t count, F&& body) noexcept {
+#ifdef GRADACCUM_HAS_OPENMP
+  if (count >= GRADACCUM_PARALLEL_THRESHOLD && omp_get_max_threads() > 1 && !omp_in_parallel()) {
+#pragma omp parallel
+    {
+      const auto threads = static_cast<std::size_t>(omp_get_num_threads());
+      const auto thread = static_cast<std::size_t>(omp_get_thread_num());
+      // Contiguous blocks aligned to 64 elements so no two threads share a cache line.
+      const std::size_t block = ((count + threads - 1) / threads + 63) / 64 * 64;
+      const std::size_t begin = thread * block < count ? thread * block : count;
+      const std::size_t end = begin + block < count ? begin + block : count;
+      body(begin, end);
+    }
+    return;
+  }
+#endif
+  body(std::size_t{0}, count);
+}
+
+}  // namespace gradaccum::detail
+
+namespace gradaccum::kernels {
+
+/// @brief `acc[i] = acc[i] + scale · W(g[i])` for i in [0, count).
+template <class W, element_type T>
+void add_scaled(W* __restrict acc, const T* __restrict g, std::size_t count, W scale) noexcept {
+  gradaccum::detail::for_ranges(count, [=](std::size_t begin, std::size_t end) noexcept {
+    GRADACCUM_NO_FP_CONTRACT
+    for (std::size_t i = begin; i < end; ++i) {
+      const W product = scale * to_work<W>(g[i]);
+      acc[i] = acc[i] + product;
+    }
+  });
+}
+
+/// @brief `x[i] = (x[i] / first) / second`: two divisions in sequence, never one by their
+/// product (which may overflow) and never a reciprocal multiply (which rounds differently).
+template <class W>
+void divide(W* x, std::size_t count, W first, W second) noexcept {
+  gradaccum::detail::for_ranges(count, [=](std::size_t begin, std::size_t end) noexcept {
+    for (std::size_t i = begin; i < end; ++i) x[i] = x[i] / first / second;
+  });
+}
+
+/// @brief Whether every element is finite. Reads everything (no early exit) so it vectorizes.
+template <element_type T>
+bool all_finite(const T* x, std::size_t count) noexcept {
+  bool finite = true;
+  for (std::size_t i = 0; i < count; ++i) {
+    const float_dtype dtype = dtype_of<T>;
+    if constexpr (dtype == float_dtype::f32 || dtype == float_dtype::f64) {
+      finite &= (x[i] - x[i]) == (x[i] - x[i]);  // NaN for inf and NaN inputs
+    } else {
+      const auto bits = std::bit_cast<std::uint16_t>(x[i]);
+      const std::uint16_t exponent = dtype == float_dtype::f16 ? 0x7c00U : 0x7f80U;
+      finite &= (bits & exponent) != exponent;
+    }
+  }
+  return finite;
+}
+
+/// @brief `out[i] = To(in[i])` for a work type `To`, exactly for widening conversions and
+/// rounding to nearest for F64 → F32.
+template <class To, element_type From>
+void convert(To* __restrict out, const From* __restrict in, std::size_t count) noexcept {
+  for (std::size_t i = 0; i < count; ++i) out[i] = to_work<To>(in[i]);
+}
+
+}  // namespace gradaccum::kernels

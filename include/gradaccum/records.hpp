@@ -1,0 +1,143 @@
+#pragma once
+/// @file
+/// @brief Backend-neutral records of pending gradients and of an accumulation window.
+///
+/// Records are plain values. Tensors are listed sorted by id and hold row-major values, so equal
+/// windows give equal (and, once serialized, byte-identical) records whatever the backend.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
+#include "gradaccum/shape.hpp"
+
+namespace gradaccum {
+
+/// @brief Row-major values of one tensor: 16-bit dtypes as their bit patterns.
+using record_values = std::variant<std::vector<std::uint16_t>, std::vector<float>, std::vector<double>>;
+
+/// @brief One pending tensor: id, dtype, shape (outermost first) and row-major values.
+struct tensor_record {
+  std::string id;
+  float_dtype dtype = float_dtype::f32;
+  std::vector<std::uint64_t> shape;
+  record_values values;
+
+  friend bool operator==(const tensor_record&, const tensor_record&) = default;
+};
+
+/// @brief The pending gradients of an accumulator, sorted by id.
+struct gradients_params_record {
+  std::vector<tensor_record> tensors;
+
+  friend bool operator==(const gradients_params_record&, const gradients_params_record&) = default;
+};
+
+/// @brief Explicit normalization and continuation state of an accumulation window.
+struct weighted_accumulation_state {
+  /// F32 or F64: the arithmetic every microbatch was added in.
+  float_dtype dtype = float_dtype::f32;
+  /// The multiplier the caller applied to every loss of the window.
+  double loss_scale = 1.0;
+  /// Sum of the effective (token or sample) weights, not a batch count.
+  double total_weight = 0.0;
+  /// Accepted microbatches, zero-weight ones included.
+  std::uint64_t microbatches = 0;
+
+  friend bool operator==(const weighted_accumulation_state&, const weighted_accumulation_state&) = default;
+};
+
+/// @brief Pending gradients and the state that normalizes them, saved and restored together.
+struct weighted_gradients_record {
+  gradients_params_record gradients;
+  weighted_accumulation_state state;
+
+  friend bool operator==(const weighted_gradients_record&, const weighted_gradients_record&) = default;
+};
+
+namespace detail {
+
+/// Index of the `record_values` alternative that holds `dtype`.
+constexpr std::size_t values_index(float_dtype dtype) noexcept {
+  return dtype == float_dtype::f64 ? 2 : dtype == float_dtype::f32 ? 1 : 0;
+}
+
+inline std::size_t values_size(const record_values& values) noexcept {
+  return std::visit([](const auto& v) { return v.size(); }, values);
+}
+
+/// Shape of a record entry as a `tensor_shape`.
+inline tensor_shape record_shape(const tensor_record& tensor) {
+  return tensor_shape(std::span<const std::uint64_t>(tensor.shape));
+}
+
+}  // namespace detail
+
+/// @brief Checks a record on its own: no duplicate ids, values of the declared dtype, element
+/// counts that match shapes.
+/// @throws error(errc::invalid_record) naming the first problem and the offending id.
+inline void validate(const gradients_params_record& record) {
+  for (const tensor_record& tensor : record.tensors) {
+    const tensor_shape shape = [&] {
+      if (tensor.shape.size() > max_rank) {
+        detail::fail(errc::invalid_record,
+                     "record tensor '" + tensor.id + "' has rank " + std::to_string(tensor.shape.size()) +
+                         ", more than the supported " + std::to_string(max_rank) + ".",
+                     tensor.id);
+      }
+      return detail::record_shape(tensor);
+    }();
+    if (tensor.values.index() != detail::values_index(tensor.dtype)) {
+      detail::fail(errc::invalid_record,
+                   "record tensor '" + tensor.id + "' holds values of another dtype than its " +
+                       std::string(to_string(tensor.dtype)) + ".",
+                   tensor.id);
+    }
+    const auto count = shape.checked_element_count();
+    if (!count || *count != detail::values_size(tensor.values)) {
+      detail::fail(errc::invalid_record,
+                   "record tensor '" + tensor.id + "' has " + std::to_string(detail::values_size(tensor.values)) +
+                       " values for shape " + shape.to_string() + ".",
+                   tensor.id);
+    }
+  }
+  std::vector<const std::string*> ids;
+  ids.reserve(record.tensors.size());
+  for (const tensor_record& tensor : record.tensors) ids.push_back(&tensor.id);
+  std::sort(ids.begin(), ids.end(), [](const std::string* a, const std::string* b) { return *a < *b; });
+  const auto duplicate =
+      std::adjacent_find(ids.begin(), ids.end(), [](const std::string* a, const std::string* b) { return *a == *b; });
+  if (duplicate != ids.end()) {
+    detail::fail(errc::invalid_record, "record lists tensor '" + **duplicate + "' twice.", **duplicate);
+  }
+}
+
+/// @brief Checks a window state: work dtype, a representable positive loss scale, a
+/// representable non-negative total weight, and no weight without microbatches.
+/// @throws error(errc::invalid_state) naming the problem.
+inline void validate(const weighted_accumulation_state& state) {
+  const auto reject = [](const std::string& why) { detail::fail(errc::invalid_state, "accumulation state " + why); };
+  if (!is_work_dtype(state.dtype)) {
+    reject("has work dtype " + std::string(to_string(state.dtype)) + "; only F32 and F64 are work dtypes.");
+  }
+  const bool f32 = state.dtype == float_dtype::f32;
+  if (!representable(state.loss_scale, state.dtype) || state.loss_scale <= 0.0 ||
+      (f32 && static_cast<float>(state.loss_scale) == 0.0F)) {
+    reject("has loss scale " + std::to_string(state.loss_scale) + ", which is not a positive representable value.");
+  }
+  if (!representable(state.total_weight, state.dtype) || state.total_weight < 0.0 ||
+      (f32 && state.total_weight > 0.0 && static_cast<float>(state.total_weight) == 0.0F)) {
+    reject("has total weight " + std::to_string(state.total_weight) +
+           ", which is not a non-negative representable value.");
+  }
+  if (state.microbatches == 0 && state.total_weight != 0.0) {
+    reject("has a non-zero total weight but no microbatches.");
+  }
+}
+
+}  // namespace gradaccum

@@ -1,0 +1,210 @@
+#pragma once
+/// @file
+/// @brief `weighted_gradients_accumulator<B>`: one token-weighted accumulation window.
+
+#include <cstdint>
+#include <future>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gradaccum/backend.hpp"
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
+#include "gradaccum/gradients_accumulator.hpp"
+#include "gradaccum/gradients_params.hpp"
+#include "gradaccum/parameter_set.hpp"
+#include "gradaccum/records.hpp"
+
+namespace gradaccum {
+
+/// @brief Gradients of a finished window and the state of the window that produced them.
+template <class B>
+struct accumulated_gradients {
+  /// Present gradients only: a parameter that received none in the window is absent.
+  gradients_params<B> gradients;
+  weighted_accumulation_state state;
+};
+
+/// @brief Accumulates microbatches of unequal size so that the result is the full-batch gradient.
+///
+/// For microbatches i with effective weights w_i (token or sample counts) and a loss scale s
+/// fixed for the window, in work dtype W:
+///
+///     accumulate_sum:  pending += W(1)   · W(g_i)     (g_i: gradient of the scaled loss SUM)
+///     accumulate_mean: pending += W(w_i) · W(g_i)     (g_i: gradient of the scaled loss MEAN)
+///     total_weight  = Σ w_i (in double)
+///     finish_mean:  result = (pending / W(s)) / W(total_weight)
+///
+/// The divisions are sequential because s · total_weight may overflow. Nothing is inferred:
+/// no optimizer, scheduler, loss scaler or communication is advanced. Every mutating call
+/// either succeeds or throws and leaves values and counters exactly as they were.
+template <class B>
+class weighted_gradients_accumulator {
+  static_assert(detail::check_backend<B>());
+
+ public:
+  /// @brief Starts an empty window.
+  /// @throws error(errc::invalid_dtype) unless `dtype` is F32 or F64;
+  /// error(errc::invalid_scalar) unless `loss_scale` is positive, finite and (for F32) stays
+  /// finite and non-zero as a float.
+  weighted_gradients_accumulator(float_dtype dtype, double loss_scale) : state_{dtype, loss_scale, 0.0, 0} {
+    detail::require_work_dtype(dtype);
+    if (loss_scale <= 0.0) {
+      detail::fail(errc::invalid_scalar, "loss scale " + std::to_string(loss_scale) + " is not positive.");
+    }
+    detail::require_scalar(loss_scale, dtype, true);
+  }
+
+  /// @brief Adds gradients of a weighted loss SUM whose effective token/sample count is `weight`.
+  /// A zero-weight microbatch is validated and counted but adds nothing.
+  /// @throws error(errc::invalid_weight), error(errc::counter_overflow),
+  /// error(errc::unknown_parameters), error(errc::parameter_mismatch); nothing changes.
+  void accumulate_sum(const parameter_set<B>& params, const gradients_params<B>& grads, double weight) {
+    accumulate(params, grads, weight, 1.0);
+  }
+
+  /// @brief Adds gradients of a MEAN loss over `weight` tokens/samples: they are multiplied by
+  /// `weight` after conversion to the work dtype. Same rules as `accumulate_sum`.
+  void accumulate_mean(const parameter_set<B>& params, const gradients_params<B>& grads, double weight) {
+    accumulate(params, grads, weight, weight);
+  }
+
+  /// @brief Returns the pending sums, still multiplied by the loss scale, with the window's
+  /// state, and resets the window. For a data-parallel reduction of sums and weights.
+  [[nodiscard]] accumulated_gradients<B> finish_sums() noexcept {
+    accumulated_gradients<B> result{accumulator_.grads(), state_};
+    reset_counters();
+    return result;
+  }
+
+  /// @brief Returns `(pending / loss_scale) / total_weight` with the window's state, and resets.
+  /// @throws error(errc::empty_weight) when the total weight is zero (nothing is cleared), and
+  /// the errors of `validate_for` when the pending ids do not fit `params`.
+  [[nodiscard]] accumulated_gradients<B> finish_mean(const parameter_set<B>& params) {
+    if (!(state_.total_weight > 0.0)) {
+      detail::fail(errc::empty_weight, "cannot normalize an accumulation window whose total weight is zero.");
+    }
+    accumulator_.pending().validate_for(params);
+    accumulator_.divide_pending(state_.loss_scale, state_.total_weight);
+    accumulated_gradients<B> result{accumulator_.grads(), state_};
+    reset_counters();
+    return result;
+  }
+
+  /// @brief The window's state; inspecting it never clears anything.
+  [[nodiscard]] const weighted_accumulation_state& state() const noexcept { return state_; }
+
+  /// @brief The pending (loss-scaled) sums.
+  [[nodiscard]] const gradients_params<B>& pending() const noexcept { return accumulator_.pending(); }
+
+  /// @brief Ids whose pending values hold a NaN or an infinity, sorted; changes nothing.
+  /// Pair it with a loss scaler: a non-empty result means the window overflowed.
+  [[nodiscard]] std::vector<std::string> non_finite() const { return accumulator_.non_finite(); }
+
+  /// @brief Snapshot of pending values and state; nothing is reset.
+  [[nodiscard]] weighted_gradients_record try_to_record() const
+    requires serializable_backend<B>
+  {
+    return {accumulator_.try_to_record(), state_};
+  }
+
+  /// @brief Snapshot as of this call, assembled on another thread: the calling thread pays one
+  /// copy of the pending tensors and may use the accumulator again as soon as this returns.
+  [[nodiscard]] std::future<weighted_gradients_record> to_record_async() const
+    requires serializable_backend<B>
+  {
+    return std::async(std::launch::async, [pending = accumulator_.pending(), state = state_] {
+      return weighted_gradients_record{pending.to_record(), state};
+    });
+  }
+
+  /// @brief Restores pending values and counters together; adopts the record's work dtype and
+  /// loss scale. No batch replay.
+  /// @throws error(errc::invalid_state) for an inconsistent state or a pending tensor of another
+  /// dtype than the state's; error(errc::invalid_record), error(errc::unknown_parameters),
+  /// error(errc::parameter_mismatch) from the tensors. The accumulator is unchanged on error.
+  void load_record(const parameter_set<B>& params, const weighted_gradients_record& record)
+    requires serializable_backend<B>
+  {
+    check_restorable(record.state, record.gradients.tensors.size(), [&](auto&& on_tensor) {
+      for (const tensor_record& t : record.gradients.tensors) on_tensor(t.id, t.dtype);
+    });
+    auto restored = gradients_params<B>::from_record(params, record.gradients);
+    accumulator_.adopt(std::move(restored));
+    state_ = record.state;
+  }
+
+  /// @brief Reattaches a saved state to already-restored pending sums, with the checks of
+  /// `load_record`. `pending` is moved from only on success.
+  [[nodiscard]] static weighted_gradients_accumulator from_accumulator(const parameter_set<B>& params,
+                                                                       gradients_accumulator<B>&& pending,
+                                                                       const weighted_accumulation_state& state) {
+    check_restorable(state, pending.pending().size(), [&](auto&& on_tensor) {
+      for (const auto& e : pending.pending()) on_tensor(e.id, gradients_params<B>::dtype_of_value(e.value));
+    });
+    pending.validate(params, pending.pending());
+    weighted_gradients_accumulator restored(state.dtype, state.loss_scale);
+    restored.accumulator_ = std::move(pending);
+    restored.state_ = state;
+    return restored;
+  }
+
+ private:
+  void accumulate(const parameter_set<B>& params, const gradients_params<B>& grads, double weight,
+                  double multiplier) {
+    const float_dtype dtype = state_.dtype;
+    const bool f32 = dtype == float_dtype::f32;
+    if (!(weight >= 0.0) || !representable(weight, dtype) || (f32 && weight > 0.0 && static_cast<float>(weight) == 0.0F)) {
+      detail::fail(errc::invalid_weight, "microbatch weight " + std::to_string(weight) +
+                                             " is not a non-negative value representable in " +
+                                             std::string(to_string(dtype)) + ".");
+    }
+    const double total = state_.total_weight + weight;
+    if (!representable(total, dtype)) {
+      detail::fail(errc::invalid_weight, "adding weight " + std::to_string(weight) +
+                                             " makes the total weight unrepresentable in " +
+                                             std::string(to_string(dtype)) + ".");
+    }
+    if (state_.microbatches == std::numeric_limits<std::uint64_t>::max()) {
+      detail::fail(errc::counter_overflow, "the microbatch counter of this window cannot be incremented.");
+    }
+    if (weight > 0.0) {
+      accumulator_.accumulate_scaled(params, grads, multiplier, dtype);
+    } else {
+      accumulator_.validate(params, grads);
+    }
+    state_.total_weight = total;
+    ++state_.microbatches;
+  }
+
+  void reset_counters() noexcept {
+    state_.total_weight = 0.0;
+    state_.microbatches = 0;
+  }
+
+  /// Checks shared by `load_record` and `from_accumulator`; `for_each_tensor(f)` calls
+  /// `f(id, dtype)` for every pending tensor.
+  template <class ForEach>
+  static void check_restorable(const weighted_accumulation_state& state, std::size_t pending_count,
+                               ForEach&& for_each_tensor) {
+    validate(state);
+    if (state.total_weight == 0.0 && pending_count != 0) {
+      detail::fail(errc::invalid_state, "accumulation state has zero total weight but pending gradients.");
+    }
+    for_each_tensor([&](const std::string& id, float_dtype dtype) {
+      if (dtype != state.dtype) {
+        detail::fail(errc::invalid_state,
+                     "pending tensor '" + id + "' has dtype " + std::string(to_string(dtype)) +
+                         " but the accumulation state's work dtype is " + std::string(to_string(state.dtype)) + ".",
+                     id);
+      }
+    });
+  }
+
+  gradients_accumulator<B> accumulator_;
+  weighted_accumulation_state state_;
+};
+
+}  // namespace gradaccum
