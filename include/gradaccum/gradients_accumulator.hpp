@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <variant>
@@ -72,6 +73,7 @@ class gradients_accumulator {
     pending_.clear();
     slots_.clear();
     slots_for_ = 0;
+    pending_dtype_.reset();
     return taken;
   }
 
@@ -139,6 +141,7 @@ class gradients_accumulator {
     pending_ = std::move(pending);
     slots_.clear();
     slots_for_ = 0;
+    pending_dtype_ = common_dtype(pending_);
   }
 
  private:
@@ -155,6 +158,8 @@ class gradients_accumulator {
   void add(const parameter_set<B>& params, const gradients_params<B>& grads, double multiplier,
            std::optional<float_dtype> work) {
     // 1. Validate every id and resolve it to a parameter position; nothing is touched yet.
+    const bool rebind = slots_for_ != params.identity() || slots_.size() != params.size();
+    bool all_pending = !rebind;
     positions_.resize(grads.size());
     std::size_t hint = 0;
     std::size_t k = 0;
@@ -162,13 +167,38 @@ class gradients_accumulator {
       const std::size_t position = detail::visit_gradient(
           [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
       positions_[k++] = position;
+      all_pending = all_pending && slots_[position] != 0;
       hint = position + 1;
     }
 
-    // 2. Allocate everything this call needs: the position → pending map, new zero tensors,
-    //    converted pending tensors. Any throw here leaves the accumulator as it was.
+    // 2. Steady state skips this: every id has a pending tensor of the right dtype already.
+    const bool convert = work && !pending_.empty() && pending_dtype_ != work;
+    if (!all_pending || convert) prepare(params, grads, work, rebind);
+
+    // 3. Add: nothing below can throw.
+    k = 0;
+    for (const auto& e : grads) {
+      auto& target = pending_.entries_[slots_[positions_[k++]] - 1].value;
+      std::visit(
+          [&](auto& acc) {
+            using W = detail::element_of<B, decltype(acc)>;
+            if constexpr (std::is_same_v<W, float> || std::is_same_v<W, double>) {
+              if constexpr (std::is_same_v<std::remove_cvref_t<decltype(acc)>, tensor<W>>) {
+                detail::visit_gradient([&](const auto& g) { B::add_scaled(acc, g, static_cast<W>(multiplier)); },
+                                       e.value);
+              }
+            }
+          },
+          target);
+    }
+  }
+
+  /// Allocates what a call needs (the position → pending map, zero tensors for new ids,
+  /// pending tensors converted to `work`), then commits it without throwing. A throw while
+  /// allocating leaves the accumulator as it was.
+  void prepare(const parameter_set<B>& params, const gradients_params<B>& grads, std::optional<float_dtype> work,
+               bool rebind) {
     std::vector<std::uint32_t> rebuilt_slots;
-    const bool rebind = slots_for_ != params.identity() || slots_.size() != params.size();
     if (rebind) {
       rebuilt_slots.assign(params.size(), 0);
       std::size_t index = 0;
@@ -178,21 +208,17 @@ class gradients_accumulator {
       }
     }
     const std::vector<std::uint32_t>& slots = rebind ? rebuilt_slots : slots_;
-    const auto pending_at = [&](std::size_t position) -> const value_type* {
-      const std::uint32_t slot = slots[position];
-      return slot == 0 ? nullptr : &pending_.entries_[slot - 1].value;
-    };
 
     // Ids are unique within `grads`, so each new position appears once.
     std::vector<std::pair<std::size_t, typename gradients_params<B>::entry>> fresh;  // position, zeros
     std::vector<std::pair<std::size_t, value_type>> converted;  // pending index, value in the new dtype
-    k = 0;
+    std::size_t k = 0;
     for (const auto& e : grads) {
       const std::size_t position = positions_[k++];
-      const value_type* pending = pending_at(position);
-      if (pending == nullptr) {
+      const std::uint32_t slot = slots[position];
+      if (slot == 0) {
         const auto& param = params[position];
-        detail::visit_work_dtype(target_dtype(pending, e.value, work), [&]<class W>() {
+        detail::visit_work_dtype(target_dtype(nullptr, e.value, work), [&]<class W>() {
           fresh.emplace_back(position, typename gradients_params<B>::entry{
                                            param.id, value_type(std::in_place_type<tensor<W>>,
                                                                 B::template zeros<W>(param.shape, param.device))});
@@ -215,7 +241,7 @@ class gradients_accumulator {
     }
     pending_.reserve(pending_.size() + fresh.size());
 
-    // 3. Commit: nothing below can throw.
+    // Commit.
     if (rebind) {
       slots_.swap(rebuilt_slots);
       slots_for_ = params.identity();
@@ -225,27 +251,25 @@ class gradients_accumulator {
       pending_.push_back_reserved(std::move(added));
       slots_[position] = static_cast<std::uint32_t>(pending_.size());
     }
-    k = 0;
-    for (const auto& e : grads) {
-      auto& target = pending_.entries_[slots_[positions_[k++]] - 1].value;
-      std::visit(
-          [&](auto& acc) {
-            using W = detail::element_of<B, decltype(acc)>;
-            if constexpr (std::is_same_v<W, float> || std::is_same_v<W, double>) {
-              if constexpr (std::is_same_v<std::remove_cvref_t<decltype(acc)>, tensor<W>>) {
-                detail::visit_gradient([&](const auto& g) { B::add_scaled(acc, g, static_cast<W>(multiplier)); },
-                                       e.value);
-              }
-            }
-          },
-          target);
+    pending_dtype_ = common_dtype(pending_);
+  }
+
+  /// The dtype every pending tensor shares, if there is one.
+  static std::optional<float_dtype> common_dtype(const gradients_params<B>& pending) noexcept {
+    std::optional<float_dtype> common;
+    for (const auto& e : pending) {
+      const float_dtype dtype = gradients_params<B>::dtype_of_value(e.value);
+      if (common && *common != dtype) return std::nullopt;
+      common = dtype;
     }
+    return common;
   }
 
   gradients_params<B> pending_;
   std::vector<std::uint32_t> slots_;      // parameter position → pending index + 1 (0: none yet)
   std::uint64_t slots_for_ = 0;           // identity of the parameter set `slots_` was built for
   std::vector<std::size_t> positions_;    // scratch: positions of the incoming gradients
+  std::optional<float_dtype> pending_dtype_;  // dtype shared by every pending tensor, if any
 };
 
 }  // namespace gradaccum
