@@ -135,31 +135,36 @@ consteval bool check_backend() {
                   "gradaccum backend: `element_types` must contain float and double (the work types)");
     static_assert(requires(const f32& t) {
       { B::shape(t) } -> std::same_as<tensor_shape>;
-    }, "gradaccum backend: missing `static gradaccum::tensor_shape shape(const tensor<T>&)`");
+    }, "gradaccum backend: missing or mis-declared `static gradaccum::tensor_shape shape(const tensor<T>&)`");
     static_assert(requires(const f32& t) {
       { B::device(t) } -> std::convertible_to<typename B::device_type>;
-    }, "gradaccum backend: missing `static device_type device(const tensor<T>&)`");
+    }, "gradaccum backend: missing or mis-declared `static device_type device(const tensor<T>&)`");
     static_assert(requires(const tensor_shape& s, const typename B::device_type& d) {
       { B::template zeros<float>(s, d) } -> std::same_as<f32>;
-    }, "gradaccum backend: missing `template <class W> static tensor<W> zeros(const gradaccum::tensor_shape&, "
-       "const device_type&)`");
+    }, "gradaccum backend: missing or mis-declared `template <class W> static tensor<W> zeros(const "
+       "gradaccum::tensor_shape&, const device_type&)`");
     static_assert(requires(f32& acc, const f32& g) {
       { B::add_scaled(acc, g, 1.0F) } noexcept;
-    }, "gradaccum backend: missing `static void add_scaled(tensor<W>& acc, const tensor<T>& g, W scale) noexcept` "
-       "(acc += scale * W(g))");
+    }, "gradaccum backend: missing, mis-declared or not noexcept `static void add_scaled(tensor<W>& acc, "
+       "const tensor<T>& g, W scale) noexcept` (acc += scale * W(g))");
     static_assert(requires(f32& acc) {
       { B::divide(acc, 1.0F, 1.0F) } noexcept;
-    }, "gradaccum backend: missing `static void divide(tensor<W>& acc, W first, W second) noexcept` "
-       "(acc = acc / first / second)");
+    }, "gradaccum backend: missing, mis-declared or not noexcept `static void divide(tensor<W>& acc, W first, "
+       "W second) noexcept` (acc = acc / first / second)");
     static_assert(requires(const f32& t) {
       { B::all_finite(t) } noexcept -> std::same_as<bool>;
-    }, "gradaccum backend: missing `static bool all_finite(const tensor<W>&) noexcept`");
+    }, "gradaccum backend: missing, mis-declared or not noexcept `static bool all_finite(const tensor<W>&) "
+       "noexcept`");
     static_assert(requires(const f32& t) {
       { B::template convert<double>(t) } -> std::same_as<typename B::template tensor<double>>;
-    }, "gradaccum backend: missing `template <class W> static tensor<W> convert(const tensor<T>&)`");
+    }, "gradaccum backend: missing or mis-declared `template <class W> static tensor<W> convert(const "
+       "tensor<T>&)`");
     static_assert(tensor_backend<B>,
-                  "gradaccum backend: every element type needs element_dtype<T>, shape, device, add_scaled "
-                  "into float and double tensors, and convert (for tensors and, if declared, views)");
+                  "gradaccum backend: tensor<float> conforms but not everything else: every T of element_types "
+                  "needs a gradaccum::element_dtype<T> specialization and a copyable tensor<T> that shape, device, "
+                  "add_scaled (into tensor<float> and tensor<double>) and convert accept, as they must accept "
+                  "view<T> if `view` is declared; zeros, divide and all_finite must work for double too, and "
+                  "device_type must be copyable");
   }
   return true;
 }
