@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Lists gradaccum's headers with the optional dependencies each one needs.
+
+Prints one line per header, `<group> <include name>`, sorted: <group> is `core` for a header
+that needs only the standard library, else the `+`-joined components whose third-party headers
+it includes directly or through other gradaccum headers (e.g. `eigen`, `cereal+eigen`).
+
+With --expect, instead checks that the listing still equals the one Meson configured with
+and that no header includes a third-party header this script does not know; exits 1 naming
+the problem.
+"""
+import argparse
+import pathlib
+import re
+import sys
+
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+
+# Third-party include prefixes and the component (Meson feature / CMake component) they need.
+COMPONENT_OF_PREFIX = {
+    "Eigen/": "eigen",
+    "unsupported/Eigen/": "eigen",
+    "xtensor/": "xtensor",
+    "xtl/": "xtensor",
+    "xsimd/": "xtensor",
+    "cereal/": "cereal",
+    "mpi.h": "mpi",
+}
+# Included only under `#if defined(_OPENMP)`, so needs nothing when OpenMP is off.
+CONDITIONAL = {"omp.h"}
+
+
+def include_roots(root):
+    return [root / "include"] + sorted(root.glob("backends/*/include"))
+
+
+def headers(root):
+    """Maps include name (`gradaccum/...hpp`) to its file."""
+    found = {}
+    for base in include_roots(root):
+        for path in sorted((base / "gradaccum").rglob("*.hpp")):
+            found[path.relative_to(base).as_posix()] = path
+    return found
+
+
+def is_standard(name):
+    # C++ standard headers have neither a directory nor an extension.
+    return "/" not in name and "." not in name
+
+
+def component_of(name):
+    for prefix, component in COMPONENT_OF_PREFIX.items():
+        if name == prefix or name.startswith(prefix):
+            return component
+    return None
+
+
+def classify(all_headers):
+    """Returns ({include name: set of components}, [(header, unknown include)])."""
+    direct, unknown, local = {}, [], {}
+    for name, path in all_headers.items():
+        components, includes = set(), []
+        for included in INCLUDE.findall(path.read_text(encoding="utf-8")):
+            if included in all_headers:
+                includes.append(included)
+            elif (component := component_of(included)) is not None:
+                components.add(component)
+            elif not is_standard(included) and included not in CONDITIONAL:
+                unknown.append((name, included))
+        direct[name], local[name] = components, includes
+
+    needs = {}
+
+    def closure(name, visiting=()):
+        if name not in needs:
+            components = set(direct[name])
+            for included in local[name]:
+                if included not in visiting:
+                    components |= closure(included, visiting + (name,))
+            needs[name] = components
+        return needs[name]
+
+    for name in all_headers:
+        closure(name)
+    return needs, unknown
+
+
+def listing(root):
+    needs, unknown = classify(headers(root))
+    lines = sorted(f"{'+'.join(sorted(components)) or 'core'} {name}" for name, components in needs.items())
+    return lines, unknown
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--root", type=pathlib.Path, required=True, help="the gradaccum source tree")
+    parser.add_argument("--expect", help="comma-separated listing Meson was configured with")
+    args = parser.parse_args()
+    lines, unknown = listing(args.root.resolve())
+    if args.expect is None:
+        print("\n".join(lines))
+        return 0
+    problems = [f"{header} includes <{included}>, which is neither a standard header nor a known dependency "
+                f"(add it to COMPONENT_OF_PREFIX in {pathlib.Path(__file__).name})" for header, included in unknown]
+    if lines != args.expect.split(","):
+        problems.append("the public headers changed since Meson was configured: run `meson setup --reconfigure` "
+                        "so every header gets its self-contained test")
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
