@@ -140,4 +140,40 @@ inline void validate(const weighted_accumulation_state& state) {
   }
 }
 
+namespace detail {
+
+/// @brief Checks that pending tensors agree with the state that normalizes them: pending values
+/// need a non-zero total weight, and every pending tensor is in the state's work dtype.
+/// `for_each_tensor(check)` calls `check(id, dtype)` for every pending tensor.
+/// @throws error(errc::invalid_state) naming the first problem.
+template <class ForEach>
+void check_pending_against(const weighted_accumulation_state& state, std::size_t pending_count,
+                           ForEach&& for_each_tensor) {
+  if (state.total_weight == 0.0 && pending_count != 0) {
+    fail(errc::invalid_state, "accumulation state has zero total weight but pending gradients.");
+  }
+  for_each_tensor([&](const std::string& id, float_dtype dtype) {
+    if (dtype != state.dtype) {
+      fail(errc::invalid_state,
+           "pending tensor '" + id + "' has dtype " + std::string(to_string(dtype)) +
+               " but the accumulation state's work dtype is " + std::string(to_string(state.dtype)) + ".",
+           id);
+    }
+  });
+}
+
+}  // namespace detail
+
+/// @brief Checks a window record on its own: a valid state, pending tensors that agree with it
+/// (`detail::check_pending_against`) and a well-formed gradients record.
+/// @throws error(errc::invalid_state) for the state and its agreement with the tensors,
+/// error(errc::invalid_record) for the tensors themselves.
+inline void validate(const weighted_gradients_record& record) {
+  validate(record.state);
+  detail::check_pending_against(record.state, record.gradients.tensors.size(), [&](auto&& check) {
+    for (const tensor_record& tensor : record.gradients.tensors) check(tensor.id, tensor.dtype);
+  });
+  validate(record.gradients);
+}
+
 }  // namespace gradaccum
