@@ -46,7 +46,7 @@ constexpr bool is_work_dtype(float_dtype dtype) noexcept {
 
 /// @brief `x` is finite and stays finite when narrowed to `dtype` (round to nearest even).
 ///
-/// Narrowing to F16 overflows from 65520 up and to BF16 from 0x1.fffp127 up, the halfway points
+/// Narrowing to F16 overflows from 65520 up and to BF16 from 0x1.ffp127 up, the halfway points
 /// past their largest finite values.
 inline bool representable(double x, float_dtype dtype) noexcept {
   if (!std::isfinite(x)) return false;
@@ -55,7 +55,7 @@ inline bool representable(double x, float_dtype dtype) noexcept {
     case float_dtype::f32: return std::isfinite(static_cast<float>(x));
     case float_dtype::bf16: {
       const auto narrowed = static_cast<float>(x);
-      return std::isfinite(narrowed) && std::fabs(narrowed) < 0x1.fffp127F;
+      return std::isfinite(narrowed) && std::fabs(narrowed) < 0x1.ffp127F;
     }
     case float_dtype::f16: return std::fabs(x) < 65520.0;
   }
