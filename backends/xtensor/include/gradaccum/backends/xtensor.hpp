@@ -96,8 +96,7 @@ struct xtensor_backend {
   /// the product of `dims` elements and outlive every use of the view.
   template <class T>
   static view<T> view_of(const T* data, const shape_type& dims) {
-    const auto count = static_cast<std::size_t>(
-        std::accumulate(dims.begin(), dims.end(), std::size_t{1}, std::multiplies<>()));
+    const std::size_t count = std::accumulate(dims.begin(), dims.end(), std::size_t{1}, std::multiplies<>());
     return view<T>(typename view<T>::storage_type(data, count), dims);
   }
 
