@@ -9,9 +9,30 @@
 #if GRADACCUM_CONSUMER_MPI
 #include <gradaccum/mpi.hpp>
 #endif
+#if GRADACCUM_CONSUMER_CEREAL
+#include <cereal/archives/binary.hpp>
+#include <gradaccum/cereal.hpp>
+
+#include <sstream>
+#endif
 
 #include <iostream>
 #include <utility>
+
+#if GRADACCUM_CONSUMER_CEREAL
+/// Whether a record survives a cereal binary archive unchanged.
+bool round_trips(const gradaccum::weighted_gradients_record& record) {
+  std::stringstream bytes;
+  {
+    cereal::BinaryOutputArchive output(bytes);
+    output(record);
+  }
+  gradaccum::weighted_gradients_record loaded;
+  cereal::BinaryInputArchive input(bytes);
+  input(loaded);
+  return loaded == record;
+}
+#endif
 
 /// Two microbatches of 1 and 3 tokens with mean-loss gradients 2 and 6: the full-batch gradient
 /// is (1·2 + 3·6) / 4 = 5 in every element, whatever the backend.
@@ -25,20 +46,24 @@ float full_batch_gradient(Filled filled) {
     grads.insert("w", filled(mean_gradient));
     window.accumulate_mean(params, grads, tokens);
   }
+#if GRADACCUM_CONSUMER_CEREAL
+  std::cout << "cereal round trip " << round_trips(window.try_to_record()) << '\n';
+#endif
   return window.finish_mean(params).gradients.template get<float>("w")->data()[0];
 }
 
 int main() {
   std::cout << "gradaccum " << GRADACCUM_VERSION_STRING << '\n';
-  std::cout << "eigen " << full_batch_gradient<gradaccum::eigen_backend>([](float value) {
-    return Eigen::MatrixXf::Constant(2, 3, value).eval();
-  }) << '\n';
+  const float eigen_gradient = full_batch_gradient<gradaccum::eigen_backend>(
+      [](float value) { return Eigen::MatrixXf::Constant(2, 3, value).eval(); });
+  std::cout << "eigen " << eigen_gradient << '\n';
 #if GRADACCUM_CONSUMER_XTENSOR
-  std::cout << "xtensor " << full_batch_gradient<gradaccum::xtensor_backend>([](float value) {
+  const float xtensor_gradient = full_batch_gradient<gradaccum::xtensor_backend>([](float value) {
     xt::xarray<float> filled = xt::xarray<float>::from_shape({2, 3});
     filled.fill(value);
     return filled;
-  }) << '\n';
+  });
+  std::cout << "xtensor " << xtensor_gradient << '\n';
 #endif
 #if GRADACCUM_CONSUMER_MPI
   // Linking is what is checked; MPI_Initialized may be called before MPI_Init, without mpirun.

@@ -24,10 +24,12 @@ COMPONENT_OF_PREFIX = {
     "xtl/": "xtensor",
     "xsimd/": "xtensor",
     "cereal/": "cereal",
+    "rapidjson/": "cereal",  # Debian's cereal uses the system rapidjson
     "mpi.h": "mpi",
 }
-# Included only under `#if defined(_OPENMP)`, so needs nothing when OpenMP is off.
-CONDITIONAL = {"omp.h"}
+# Always available: POSIX headers (atomic checkpoint files) and omp.h, which is included only
+# under `#if defined(_OPENMP)` and so needs nothing when OpenMP is off.
+SYSTEM = {"fcntl.h", "unistd.h", "sys/stat.h", "sys/types.h", "omp.h"}
 
 
 def include_roots(root):
@@ -65,7 +67,7 @@ def classify(all_headers):
                 includes.append(included)
             elif (component := component_of(included)) is not None:
                 components.add(component)
-            elif not is_standard(included) and included not in CONDITIONAL:
+            elif not is_standard(included) and included not in SYSTEM:
                 unknown.append((name, included))
         direct[name], local[name] = components, includes
 
