@@ -84,9 +84,11 @@ class gradients_accumulator {
       std::visit(
           [&](auto& value) {
             using W = detail::element_of<B, decltype(value)>;
-            if constexpr (std::is_same_v<std::remove_cvref_t<decltype(value)>, tensor<W>> &&
-                          (std::is_same_v<W, float> || std::is_same_v<W, double>)) {
-              B::divide(value, static_cast<W>(first), static_cast<W>(second));
+            // Nested: naming tensor<W> for a view's W = void breaks backends such as xtensor.
+            if constexpr (std::is_same_v<W, float> || std::is_same_v<W, double>) {
+              if constexpr (std::is_same_v<std::remove_cvref_t<decltype(value)>, tensor<W>>) {
+                B::divide(value, static_cast<W>(first), static_cast<W>(second));
+              }
             }
           },
           e.value);
