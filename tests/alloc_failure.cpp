@@ -1,0 +1,77 @@
+/// @file
+/// @brief Replaced operator new/delete and wrapped malloc behind `allocation_probe` (see
+/// alloc_failure.hpp). Link with `-Wl,--wrap=malloc`.
+
+#include "alloc_failure.hpp"
+
+#include <cstddef>
+#include <cstdlib>
+#include <new>
+
+namespace {
+
+struct probe_state {
+  bool armed = false;
+  bool failed = false;
+  std::size_t count = 0;
+  std::size_t fail_at = 0;
+};
+
+// Constant-initialized, so reading it never allocates (it is read inside malloc).
+constinit thread_local probe_state probe{};
+
+/// Counts one allocation; false when this one must fail.
+bool allocation_allowed() noexcept {
+  if (!probe.armed) return true;
+  ++probe.count;
+  if (probe.count == probe.fail_at) {
+    probe.failed = true;
+    return false;
+  }
+  return true;
+}
+
+void* allocate(std::size_t size) {
+  // Goes through the wrapped malloc, so it is counted (once) there.
+  if (void* memory = std::malloc(size == 0 ? 1 : size)) return memory;
+  throw std::bad_alloc();
+}
+
+void* allocate_aligned(std::size_t size, std::align_val_t alignment) {
+  const auto align = static_cast<std::size_t>(alignment);
+  if (!allocation_allowed()) throw std::bad_alloc();
+  if (void* memory = std::aligned_alloc(align, (size + align - 1) / align * align)) return memory;
+  throw std::bad_alloc();
+}
+
+}  // namespace
+
+extern "C" {
+void* __real_malloc(std::size_t size);
+void* __wrap_malloc(std::size_t size);
+void* __wrap_malloc(std::size_t size) { return allocation_allowed() ? __real_malloc(size) : nullptr; }
+}
+
+void* operator new(std::size_t size) { return allocate(size); }
+void* operator new[](std::size_t size) { return allocate(size); }
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept { return std::malloc(size == 0 ? 1 : size); }
+void* operator new[](std::size_t size, const std::nothrow_t&) noexcept { return std::malloc(size == 0 ? 1 : size); }
+void* operator new(std::size_t size, std::align_val_t alignment) { return allocate_aligned(size, alignment); }
+void* operator new[](std::size_t size, std::align_val_t alignment) { return allocate_aligned(size, alignment); }
+void operator delete(void* memory) noexcept { std::free(memory); }
+void operator delete[](void* memory) noexcept { std::free(memory); }
+void operator delete(void* memory, std::size_t) noexcept { std::free(memory); }
+void operator delete[](void* memory, std::size_t) noexcept { std::free(memory); }
+void operator delete(void* memory, std::align_val_t) noexcept { std::free(memory); }
+void operator delete[](void* memory, std::align_val_t) noexcept { std::free(memory); }
+void operator delete(void* memory, std::size_t, std::align_val_t) noexcept { std::free(memory); }
+void operator delete[](void* memory, std::size_t, std::align_val_t) noexcept { std::free(memory); }
+
+namespace gradaccum::test {
+
+allocation_probe::allocation_probe(std::size_t fail_at) noexcept { probe = {true, false, 0, fail_at}; }
+allocation_probe::~allocation_probe() { probe.armed = false; }
+std::size_t allocation_probe::count() const noexcept { return probe.count; }
+bool allocation_probe::failed() const noexcept { return probe.failed; }
+
+}  // namespace gradaccum::test

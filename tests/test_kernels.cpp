@@ -1,0 +1,182 @@
+/// @file
+/// @brief kernels.hpp: exact 16-bit widening, the two-rounding fused add, sequential division,
+/// finiteness and conversion, including ranges large enough to be split across threads.
+
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include <gradaccum/kernels.hpp>
+
+#include "test_backend.hpp"
+#include "test_helpers.hpp"
+
+namespace kernels = gradaccum::kernels;
+using gradaccum::test::bf16;
+using gradaccum::test::f16;
+using gradaccum::test::same_bits;
+
+namespace {
+
+/// Reference decoding of binary16 (sign, 5-bit exponent biased by 15, 10-bit mantissa), built
+/// from the definition with ldexp. Returns the float bits; NaN keeps its payload in the top bits.
+std::uint32_t reference_f16_to_float_bits(std::uint16_t bits) {
+  const std::uint32_t sign = (bits & 0x8000U) != 0 ? 0x80000000U : 0U;
+  const int exponent = (bits >> 10) & 0x1f;
+  const std::uint32_t mantissa = bits & 0x3ffU;
+  if (exponent == 0x1f) return sign | 0x7f800000U | (mantissa << 13);
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)
+                                        : std::ldexp(static_cast<float>(1024 + mantissa), exponent - 25);
+  return sign | std::bit_cast<std::uint32_t>(magnitude);
+}
+
+/// Reference decoding of bfloat16 (sign, 8-bit exponent biased by 127, 7-bit mantissa).
+std::uint32_t reference_bf16_to_float_bits(std::uint16_t bits) {
+  const std::uint32_t sign = (bits & 0x8000U) != 0 ? 0x80000000U : 0U;
+  const int exponent = (bits >> 7) & 0xff;
+  const std::uint32_t mantissa = bits & 0x7fU;
+  if (exponent == 0xff) return sign | 0x7f800000U | (mantissa << 16);
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -133)
+                                        : std::ldexp(static_cast<float>(128 + mantissa), exponent - 134);
+  return sign | std::bit_cast<std::uint32_t>(magnitude);
+}
+
+/// Above the threshold at which kernels may split a range across threads, and not a multiple of 64.
+constexpr std::size_t large_count = (std::size_t{1} << 18) + 37;
+
+}  // namespace
+
+TEST_CASE("16-bit values widen to float exactly, for every bit pattern") {
+  for (std::uint32_t bits = 0; bits <= 0xffffU; ++bits) {
+    const auto pattern = static_cast<std::uint16_t>(bits);
+    const auto f16_bits = std::bit_cast<std::uint32_t>(kernels::f16_bits_to_float(pattern));
+    const auto bf16_bits = std::bit_cast<std::uint32_t>(kernels::bf16_bits_to_float(pattern));
+    if (f16_bits != reference_f16_to_float_bits(pattern)) FAIL_CHECK("F16 pattern " << bits);
+    if (bf16_bits != reference_bf16_to_float_bits(pattern)) FAIL_CHECK("BF16 pattern " << bits);
+  }
+  static_assert(kernels::f16_bits_to_float(0x3c00) == 1.0F);
+  static_assert(kernels::f16_bits_to_float(0x7bff) == 65504.0F);
+  static_assert(kernels::f16_bits_to_float(0x0001) == 0x1p-24F);
+  static_assert(kernels::bf16_bits_to_float(0x3f80) == 1.0F);
+  static_assert(kernels::bf16_bits_to_float(0x7f7f) == 0x1.fep127F);
+  static_assert(kernels::to_work<double>(f16{0xc000}) == -2.0);
+}
+
+TEST_CASE("add_scaled rounds the product, then the sum: never a fused multiply-add") {
+  // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 rounds to 1 + 2^-11 as a float, so the sum is exactly 0;
+  // a fused multiply-add would keep the 2^-24.
+  float acc32[] = {-(1 + 0x1p-11F)};
+  const float g32[] = {1 + 0x1p-12F};
+  kernels::add_scaled(acc32, g32, 1, 1 + 0x1p-12F);
+  CHECK(acc32[0] == 0.0F);
+  // Same in double: (1 + 2^-27)^2 = 1 + 2^-26 + 2^-54 rounds to 1 + 2^-26.
+  double acc64[] = {-(1 + 0x1p-26)};
+  const double g64[] = {1 + 0x1p-27};
+  kernels::add_scaled(acc64, g64, 1, 1 + 0x1p-27);
+  CHECK(acc64[0] == 0.0);
+}
+
+TEST_CASE("add_scaled converts each element to the work type before multiplying") {
+  float acc[] = {1, 1, 1};
+  const f16 half[] = {{0x3c01}, {0x7bff}, {0xfc00}};  // 1 + 2^-10, 65504, -inf
+  kernels::add_scaled(acc, half, 3, 4.0F);
+  CHECK(acc[0] == 1 + 4 * (1 + 0x1p-10F));
+  CHECK(acc[1] == 1 + 4 * 65504.0F);  // 262016 is far outside F16, exact in F32
+  CHECK(acc[2] == -std::numeric_limits<float>::infinity());
+
+  float narrowed[] = {0};
+  const double tenth[] = {0.1};
+  kernels::add_scaled(narrowed, tenth, 1, 1.0F);
+  CHECK(narrowed[0] == 0.1F);
+
+  double widened[] = {0};
+  const bf16 brain[] = {{0x3f81}};  // 1 + 2^-7
+  kernels::add_scaled(widened, brain, 1, 3.0);
+  CHECK(widened[0] == 3 * (1 + 0x1p-7));
+}
+
+TEST_CASE("divide divides twice in sequence, never by the product or by a reciprocal") {
+  // 2^100 · 2^40 overflows float; dividing in sequence stays exact.
+  float huge[] = {0x1p120F, -0x1p121F};
+  kernels::divide(huge, 2, 0x1p100F, 0x1p40F);
+  CHECK(huge[0] == 0x1p-20F);
+  CHECK(huge[1] == -0x1p-19F);
+  // 38.5 / 3 = 0x1.9aaaaap+3, but 38.5 · (1/3) = 0x1.9aaaacp+3.
+  float x[] = {38.5F};
+  kernels::divide(x, 1, 3.0F, 1.0F);
+  CHECK(x[0] == 0x1.9aaaaap+3F);
+}
+
+TEST_CASE("all_finite reads every element of every dtype") {
+  constexpr float finf = std::numeric_limits<float>::infinity();
+  constexpr double dnan = std::numeric_limits<double>::quiet_NaN();
+  const float finite32[] = {0.0F, -0.0F, std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min()};
+  CHECK(kernels::all_finite(finite32, 4));
+  CHECK(kernels::all_finite(finite32, 0));
+  const float inf32[] = {1, -finf, 1};
+  CHECK_FALSE(kernels::all_finite(inf32, 3));
+  const double nan64[] = {1, 2, dnan};
+  CHECK_FALSE(kernels::all_finite(nan64, 3));
+  CHECK(kernels::all_finite(nan64, 2));
+
+  const f16 finite16[] = {{0x7bff}, {0xfbff}, {0x8001}, {0x0000}};
+  CHECK(kernels::all_finite(finite16, 4));
+  for (const std::uint16_t special : {0x7c00, 0xfc00, 0x7e00, 0x7c01}) {
+    const f16 values[] = {{0x3c00}, {special}};
+    CHECK_FALSE(kernels::all_finite(values, 2));
+  }
+  const bf16 finite_bf16[] = {{0x7f7f}, {0xff7f}, {0x0001}};
+  CHECK(kernels::all_finite(finite_bf16, 3));
+  for (const std::uint16_t special : {0x7f80, 0xff80, 0x7fc0}) {
+    const bf16 values[] = {{special}, {0x3f80}};
+    CHECK_FALSE(kernels::all_finite(values, 2));
+  }
+}
+
+TEST_CASE("convert widens exactly and narrows F64 to F32 to nearest even") {
+  const double wide[] = {0.1, 1 + 0x1p-24, 1 + 3 * 0x1p-24, -0x1p-149};
+  float narrow[4];
+  kernels::convert(narrow, wide, 4);
+  CHECK(narrow[0] == 0.1F);
+  CHECK(narrow[1] == 1.0F);              // a tie, to the even neighbour below
+  CHECK(narrow[2] == 1 + 0x1p-22F);      // a tie, to the even neighbour above
+  CHECK(narrow[3] == -0x1p-149F);
+  const f16 half[] = {{0x0001}, {0xbc00}};
+  double exact[2];
+  kernels::convert(exact, half, 2);
+  CHECK(exact[0] == 0x1p-24);
+  CHECK(exact[1] == -1.0);
+}
+
+TEST_CASE("large ranges give the bits of the element-by-element loop") {
+  std::vector<float> g(large_count);
+  std::vector<float> acc(large_count);
+  for (std::size_t i = 0; i < large_count; ++i) {
+    g[i] = static_cast<float>(i) * 0.1F;
+    acc[i] = 1.0F / static_cast<float>(i + 3);
+  }
+  std::vector<float> expected = acc;
+  const float scale = 0.3F;
+  for (std::size_t i = 0; i < large_count; ++i) {
+    const float product = scale * g[i];
+    expected[i] = expected[i] + product;
+  }
+  kernels::add_scaled(acc.data(), g.data(), large_count, scale);
+  std::size_t mismatches = 0;
+  for (std::size_t i = 0; i < large_count; ++i) mismatches += same_bits(acc[i], expected[i]) ? 0 : 1;
+  CHECK(mismatches == 0);
+
+  for (float& x : expected) x = x / 3.0F / 7.0F;
+  kernels::divide(acc.data(), large_count, 3.0F, 7.0F);
+  mismatches = 0;
+  for (std::size_t i = 0; i < large_count; ++i) mismatches += same_bits(acc[i], expected[i]) ? 0 : 1;
+  CHECK(mismatches == 0);
+
+  acc[large_count - 1] = std::numeric_limits<float>::infinity();
+  CHECK_FALSE(kernels::all_finite(acc.data(), large_count));
+}
