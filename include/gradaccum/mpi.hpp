@@ -1,0 +1,604 @@
+#pragma once
+/// @file
+/// @brief Data-parallel reduction of accumulation windows across the ranks of an MPI communicator.
+///
+/// MPI already gives sums over a communicator (`MPI_Allreduce`, `MPI_Iallreduce`). What a
+/// data-parallel gradient needs on top, and what this header adds, is agreement: ranks see
+/// different numbers of tokens and different sets of parameters receive gradients on different
+/// ranks. So the ranks first agree on which parameters are present (present on any rank: reduced,
+/// ranks without it contribute zeros; present on none: absent), check that their parameter sets,
+/// work dtypes and loss scales agree (a disagreement is the same error on every rank, never a
+/// hang), then sum values, total weights and microbatch counts, and normalize once:
+///
+///     result[p] = (Σ_r sums_r[p] / W(s)) / W(Σ_r total_weight_r)
+///
+/// with the backend's `divide`, exactly as `finish_mean` does. Whenever the sums across ranks are
+/// exact, the result is bit for bit what one process accumulating every rank's microbatches gets.
+///
+/// Optional: include it next to `<gradaccum/gradaccum.hpp>` and link `gradaccum-mpi` (the Meson
+/// feature `mpi`); the umbrella header never includes it. Every rank must use the same backend and
+/// pass the same parameter set (same ids, shapes and order).
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <mpi.h>
+
+#include "gradaccum/backend.hpp"
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
+#include "gradaccum/gradients_params.hpp"
+#include "gradaccum/parameter_set.hpp"
+#include "gradaccum/records.hpp"
+#include "gradaccum/weighted_gradients_accumulator.hpp"
+
+#ifndef GRADACCUM_MPI_IN_PLACE_MIN_BYTES
+/// Tensors at least this large (with host memory) are reduced in place, one call each; smaller
+/// ones are packed into one buffer and reduced by a single call. An MPI call costs a few
+/// microseconds of latency, about what copying 64 KiB in and out again costs.
+#define GRADACCUM_MPI_IN_PLACE_MIN_BYTES (std::size_t{1} << 16)
+#endif
+
+namespace gradaccum {
+
+/// @brief A backend whose owned work-dtype tensors expose their elements as one contiguous run of
+/// host memory, in any fixed order: `B::data(t)` points to the `shape(t)`-many elements of `t`.
+///
+/// Optional. With it, large tensors are reduced in place (`MPI_IN_PLACE`) and small ones packed
+/// with plain copies; without it, values go through `to_row_major` / `from_row_major`.
+template <class B>
+concept host_memory_backend =
+    tensor_backend<B> && requires(typename B::template tensor<float>& f32, typename B::template tensor<double>& f64) {
+      { B::data(f32) } -> std::same_as<float*>;
+      { B::data(f64) } -> std::same_as<double*>;
+    };
+
+/// @brief A backend whose tensors the MPI reduction can move values in and out of.
+template <class B>
+concept mpi_reducible_backend = host_memory_backend<B> || serializable_backend<B>;
+
+template <class B>
+class allreduce_mean_request;
+
+template <class B>
+  requires mpi_reducible_backend<B>
+[[nodiscard]] allreduce_mean_request<B> start_allreduce_mean(const parameter_set<B>& params,
+                                                             accumulated_gradients<B>&& sums, MPI_Comm comm);
+template <class B>
+  requires mpi_reducible_backend<B>
+[[nodiscard]] accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
+                                                      MPI_Comm comm);
+
+namespace detail::mpi {
+
+/// MPI failures only reach here under `MPI_ERRORS_RETURN`; the default handler aborts the job.
+inline void check(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  fail(errc::invalid_state, std::string(call) + " failed: " + std::string(text, static_cast<std::size_t>(length)) + ".");
+}
+
+template <class W>
+MPI_Datatype datatype() noexcept {
+  if constexpr (std::is_same_v<W, float>) {
+    return MPI_FLOAT;
+  } else {
+    return MPI_DOUBLE;
+  }
+}
+
+/// Calls `f(pointer, count)` over [data, data + count) in pieces whose count fits MPI's `int`.
+template <class W, class F>
+void for_each_piece(W* data, std::size_t count, F&& f) {
+  constexpr std::size_t max_piece = std::size_t{1} << 30;
+  for (std::size_t offset = 0; offset < count; offset += max_piece) {
+    f(data + offset, static_cast<int>(std::min(max_piece, count - offset)));
+  }
+}
+
+/// The smallest and largest value of a word over the ranks, kept as `max(x)` and `max(~x)` so
+/// that one reduction operation computes both.
+struct word_range {
+  std::uint64_t max = 0;
+  std::uint64_t not_min = 0;
+
+  static word_range of(std::uint64_t x) noexcept { return {x, ~x}; }
+  [[nodiscard]] std::uint64_t min() const noexcept { return ~not_min; }
+  [[nodiscard]] bool agreed() const noexcept { return max == min(); }
+  void combine(const word_range& other) noexcept {
+    max = std::max(max, other.max);
+    not_min = std::max(not_min, other.not_min);
+  }
+};
+
+inline constexpr std::uint64_t no_failure = std::numeric_limits<std::uint64_t>::max();
+
+/// What every rank contributes to the agreement step; combined field by field by one
+/// user-defined reduction so the whole step is one small collective.
+struct agreement {
+  std::uint64_t first_failure = no_failure;  // min over ranks of (rank << 8 | errc)
+  word_range layout;                         // fingerprint of the parameter set
+  word_range dtype;
+  word_range loss_scale;  // bit pattern of the double
+  double total_weight = 0.0;
+  std::uint64_t microbatches = 0;  // saturating sum: saturation means overflow
+
+  void combine(const agreement& other) noexcept {
+    first_failure = std::min(first_failure, other.first_failure);
+    layout.combine(other.layout);
+    dtype.combine(other.dtype);
+    loss_scale.combine(other.loss_scale);
+    total_weight += other.total_weight;
+    microbatches = other.microbatches > std::numeric_limits<std::uint64_t>::max() - microbatches
+                       ? std::numeric_limits<std::uint64_t>::max()
+                       : microbatches + other.microbatches;
+  }
+};
+
+/// `MPI_User_function` over `agreement`s; MPI's buffers carry no alignment promise, so fields are
+/// copied out and back.
+inline void combine_agreements(void* in, void* inout, int* count, MPI_Datatype* /*type*/) {
+  auto* const in_bytes = static_cast<const unsigned char*>(in);
+  auto* const out_bytes = static_cast<unsigned char*>(inout);
+  for (int i = 0; i < *count; ++i) {
+    const auto offset = static_cast<std::size_t>(i) * sizeof(agreement);
+    agreement a;
+    agreement b;
+    std::memcpy(&a, in_bytes + offset, sizeof a);
+    std::memcpy(&b, out_bytes + offset, sizeof b);
+    b.combine(a);
+    std::memcpy(out_bytes + offset, &b, sizeof b);
+  }
+}
+
+/// Sums `agreement`s over `comm` in place.
+inline void allreduce_agreement(agreement& mine, MPI_Comm comm) {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  check(MPI_Type_contiguous(static_cast<int>(sizeof(agreement)), MPI_BYTE, &type), "MPI_Type_contiguous");
+  MPI_Op op = MPI_OP_NULL;
+  const auto release = [&] {
+    if (op != MPI_OP_NULL) MPI_Op_free(&op);
+    MPI_Type_free(&type);
+  };
+  try {
+    check(MPI_Type_commit(&type), "MPI_Type_commit");
+    check(MPI_Op_create(&combine_agreements, 1, &op), "MPI_Op_create");
+    check(MPI_Allreduce(MPI_IN_PLACE, &mine, 1, type, op, comm), "MPI_Allreduce");
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+}
+
+/// FNV-1a over ids, ranks and dimensions: equal on every rank exactly when the parameter sets
+/// list the same ids with the same shapes in the same order (up to hash collisions). Cached for
+/// the last set seen, since a set only appends and hashing thousands of ids costs more than
+/// reducing their values.
+template <class B>
+std::uint64_t layout_fingerprint(const parameter_set<B>& params) noexcept {
+  struct cached {
+    std::uint64_t identity = 0;
+    std::size_t size = 0;
+    std::uint64_t fingerprint = 0;
+  };
+  thread_local cached last;
+  if (last.identity == params.identity() && last.size == params.size()) return last.fingerprint;
+  std::uint64_t hash = 14695981039346656037ULL;
+  const auto mix = [&](const void* data, std::size_t size) {
+    for (std::size_t i = 0; i < size; ++i) {
+      hash = (hash ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ULL;
+    }
+  };
+  for (const auto& param : params) {
+    const std::uint64_t length = param.id.size();
+    const std::uint64_t rank = param.shape.rank();
+    mix(&length, sizeof length);
+    mix(param.id.data(), param.id.size());
+    mix(&rank, sizeof rank);
+    for (const std::size_t dim : param.shape) {
+      const std::uint64_t extent = dim;
+      mix(&extent, sizeof extent);
+    }
+  }
+  last = {params.identity(), params.size(), hash};
+  return hash;
+}
+
+/// Where a present parameter's values travel: its entry in the result, and its offset in the
+/// packed buffer (`in_place` for one reduced in its own memory).
+struct tensor_slot {
+  static constexpr std::size_t in_place = std::numeric_limits<std::size_t>::max();
+  std::size_t entry = 0;
+  std::size_t offset = in_place;
+  std::size_t count = 0;
+};
+
+/// `gradients_params` hands out its entries read-only, and looking a tensor up by id hashes the
+/// id; the reduction owns the object (it is not const) and writes reduced values into thousands of
+/// tensors, so it reaches them by entry index instead.
+template <class B, class W>
+typename B::template tensor<W>& tensor_at(gradients_params<B>& gradients, std::size_t entry) noexcept {
+  const auto& value = (gradients.begin() + static_cast<std::ptrdiff_t>(entry))->value;
+  return const_cast<typename B::template tensor<W>&>(*std::get_if<typename B::template tensor<W>>(&value));
+}
+
+}  // namespace detail::mpi
+
+/// @brief A reduction started by `start_allreduce_mean`: the values are in flight, and `wait()`
+/// returns the globally normalized mean.
+///
+/// Owns every buffer MPI writes into, so it must outlive nothing: moving it keeps the buffers
+/// where they are, and destroying it before `wait()` waits for the reduction (and discards it).
+template <class B>
+class allreduce_mean_request {
+ public:
+  allreduce_mean_request(allreduce_mean_request&& other) noexcept
+      : gradients_(std::move(other.gradients_)),
+        state_(other.state_),
+        packed_(std::move(other.packed_)),
+        packed_count_(std::exchange(other.packed_count_, 0)),
+        slots_(std::move(other.slots_)),
+        requests_(std::exchange(other.requests_, {})),
+        taken_(std::exchange(other.taken_, true)) {}
+  allreduce_mean_request& operator=(allreduce_mean_request&& other) noexcept {
+    if (this != &other) {
+      complete_quietly();
+      gradients_ = std::move(other.gradients_);
+      state_ = other.state_;
+      packed_ = std::move(other.packed_);
+      packed_count_ = std::exchange(other.packed_count_, 0);
+      slots_ = std::move(other.slots_);
+      requests_ = std::exchange(other.requests_, {});
+      taken_ = std::exchange(other.taken_, true);
+    }
+    return *this;
+  }
+  allreduce_mean_request(const allreduce_mean_request&) = delete;
+  allreduce_mean_request& operator=(const allreduce_mean_request&) = delete;
+  ~allreduce_mean_request() { complete_quietly(); }
+
+  /// @brief Whether the reduction has finished (so `wait()` will not block). Drives MPI's
+  /// progress, so call it now and then while overlapping other work.
+  [[nodiscard]] bool test() {
+    if (requests_.empty()) return true;
+    int done = 0;
+    detail::mpi::check(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE),
+                       "MPI_Testall");
+    if (done != 0) requests_.clear();
+    return done != 0;
+  }
+
+  /// @brief Waits for the reduction and returns `(Σ_r sums_r / W(s)) / W(Σ_r total_weight_r)`
+  /// for every parameter present on any rank, with the global state.
+  /// @throws error(errc::invalid_state) when the result was already taken.
+  [[nodiscard]] accumulated_gradients<B> wait() {
+    if (taken_) detail::fail(errc::invalid_state, "this reduction's result was already taken.");
+    if (!requests_.empty()) {
+      detail::mpi::check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE),
+                         "MPI_Waitall");
+      requests_.clear();
+    }
+    taken_ = true;
+    detail::visit_work_dtype(state_.dtype, [&]<class W>() { normalize<W>(); });
+    return {std::move(gradients_), state_};
+  }
+
+  /// @brief The global state of the reduced windows: agreed dtype and loss scale, summed weight
+  /// and microbatch count.
+  [[nodiscard]] const weighted_accumulation_state& state() const noexcept { return state_; }
+
+ private:
+  template <class B2>
+    requires mpi_reducible_backend<B2>
+  friend allreduce_mean_request<B2> start_allreduce_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&,
+                                                         MPI_Comm);
+  template <class B2>
+    requires mpi_reducible_backend<B2>
+  friend accumulated_gradients<B2> allreduce_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&, MPI_Comm);
+
+  template <class T>
+  using tensor = typename B::template tensor<T>;
+  using packed_buffer = std::variant<std::unique_ptr<float[]>, std::unique_ptr<double[]>>;
+
+  enum class launch { blocking, nonblocking };
+
+  /// Agrees, allocates and packs; `sums` is moved from only once nothing can fail any more.
+  allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm) {
+    int rank = 0;
+    detail::mpi::check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+
+    // 1. Check this rank's sums; a failure is not thrown yet, since the peers would then wait
+    //    forever in the agreement: it travels with the agreement so every rank throws.
+    std::vector<std::size_t> entry_of(params.size(), no_entry);
+    std::exception_ptr local_failure;
+    errc local_code = errc::invalid_state;
+    try {
+      check_sums(params, sums, entry_of);
+    } catch (const error& e) {
+      local_failure = std::current_exception();
+      local_code = e.code();
+    } catch (...) {
+      local_failure = std::current_exception();
+    }
+
+    // 2. One small collective: failures, parameter sets, dtypes, loss scales, weights, counts.
+    detail::mpi::agreement agreed;
+    if (local_failure) agreed.first_failure = static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(local_code);
+    agreed.layout = detail::mpi::word_range::of(detail::mpi::layout_fingerprint(params));
+    agreed.dtype = detail::mpi::word_range::of(static_cast<std::uint64_t>(sums.state.dtype));
+    agreed.loss_scale = detail::mpi::word_range::of(std::bit_cast<std::uint64_t>(sums.state.loss_scale));
+    agreed.total_weight = sums.state.total_weight;
+    agreed.microbatches = sums.state.microbatches;
+    detail::mpi::allreduce_agreement(agreed, comm);
+    if (local_failure) std::rethrow_exception(local_failure);
+    check_agreement(agreed);
+    state_ = {sums.state.dtype, sums.state.loss_scale, agreed.total_weight, agreed.microbatches};
+
+    // 3. Presence: one bit per parameter position, OR-ed over the ranks.
+    std::vector<std::uint64_t> present((params.size() + 63) / 64, 0);
+    for (std::size_t position = 0; position < params.size(); ++position) {
+      if (entry_of[position] != no_entry) present[position / 64] |= std::uint64_t{1} << (position % 64);
+    }
+    if (!present.empty()) {
+      detail::mpi::check(MPI_Allreduce(MPI_IN_PLACE, present.data(), static_cast<int>(present.size()),
+                                       MPI_UINT64_T, MPI_BOR, comm),
+                         "MPI_Allreduce");
+    }
+    const auto is_present = [&](std::size_t position) { return ((present[position / 64] >> (position % 64)) & 1U) != 0; };
+
+    detail::visit_work_dtype(state_.dtype, [&]<class W>() { prepare<W>(params, sums, entry_of, is_present); });
+  }
+
+  static constexpr std::size_t no_entry = std::numeric_limits<std::size_t>::max();
+
+  /// Local checks, touching nothing; fills `entry_of[position]` with the entry index of each
+  /// pending tensor.
+  static void check_sums(const parameter_set<B>& params, const accumulated_gradients<B>& sums,
+                         std::vector<std::size_t>& entry_of) {
+    validate(sums.state);
+    if (sums.state.total_weight == 0.0 && !sums.gradients.empty()) {
+      detail::fail(errc::invalid_state, "accumulated sums have zero total weight but pending gradients.");
+    }
+    std::size_t hint = 0;
+    std::size_t entry = 0;
+    for (const auto& e : sums.gradients) {
+      const std::size_t position = detail::visit_gradient(
+          [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
+      const bool owned_work_tensor = detail::visit_work_dtype(sums.state.dtype, [&]<class W>() {
+        return std::holds_alternative<tensor<W>>(e.value);
+      });
+      if (!owned_work_tensor) {
+        detail::fail(errc::invalid_state,
+                     "pending tensor '" + e.id + "' is not an owned tensor of the state's work dtype " +
+                         std::string(to_string(sums.state.dtype)) + ".",
+                     e.id);
+      }
+      entry_of[position] = entry++;
+      hint = position + 1;
+    }
+  }
+
+  /// Every rank evaluates the same agreed words in the same order, so every rank throws the same.
+  void check_agreement(const detail::mpi::agreement& agreed) const {
+    if (agreed.first_failure != detail::mpi::no_failure) {
+      const auto code = static_cast<errc>(agreed.first_failure & 0xffU);
+      detail::fail(code, "rank " + std::to_string(agreed.first_failure >> 8) +
+                             " rejected its accumulated sums (" + make_error_code(code).message() +
+                             "); nothing was reduced.");
+    }
+    if (!agreed.layout.agreed()) {
+      detail::fail(errc::parameter_mismatch,
+                   "ranks passed different parameter sets (ids, shapes or order differ); nothing was reduced.");
+    }
+    if (!agreed.dtype.agreed()) {
+      detail::fail(errc::invalid_state,
+                   "ranks accumulated in different work dtypes (" +
+                       std::string(to_string(static_cast<float_dtype>(agreed.dtype.min()))) + " and " +
+                       std::string(to_string(static_cast<float_dtype>(agreed.dtype.max))) + "); nothing was reduced.");
+    }
+    if (!agreed.loss_scale.agreed()) {
+      detail::fail(errc::invalid_state,
+                   "ranks used different loss scales (" +
+                       std::to_string(std::bit_cast<double>(agreed.loss_scale.min())) + " and " +
+                       std::to_string(std::bit_cast<double>(agreed.loss_scale.max)) + "); nothing was reduced.");
+    }
+    const auto dtype = static_cast<float_dtype>(agreed.dtype.max);
+    if (agreed.microbatches == std::numeric_limits<std::uint64_t>::max()) {
+      detail::fail(errc::counter_overflow, "the ranks' microbatch counts overflow when summed.");
+    }
+    if (!representable(agreed.total_weight, dtype)) {
+      detail::fail(errc::invalid_weight, "the ranks' total weights sum to " + std::to_string(agreed.total_weight) +
+                                             ", which is not representable in " + std::string(to_string(dtype)) +
+                                             ".");
+    }
+    if (!(agreed.total_weight > 0.0)) {
+      detail::fail(errc::empty_weight, "cannot normalize accumulation windows whose total weight over all ranks is "
+                                       "zero; nothing was reduced.");
+    }
+  }
+
+  /// Allocates zeros for parameters present elsewhere only and the packed buffer, then (nothing
+  /// can throw after the zeros are in) takes the sums and packs the small tensors.
+  template <class W, class IsPresent>
+  void prepare(const parameter_set<B>& params, accumulated_gradients<B>& sums, const std::vector<std::size_t>& entry_of,
+               const IsPresent& is_present) {
+    std::vector<std::size_t> missing;  // positions present elsewhere only
+    std::vector<tensor<W>> zeros;
+    std::size_t present_count = 0;
+    for (std::size_t position = 0; position < params.size(); ++position) {
+      if (!is_present(position)) continue;
+      ++present_count;
+      if (entry_of[position] == no_entry) missing.push_back(position);
+    }
+    zeros.reserve(missing.size());
+    for (const std::size_t position : missing) {
+      zeros.push_back(B::template zeros<W>(params[position].shape, params[position].device));
+    }
+
+    std::vector<detail::mpi::tensor_slot> slots;
+    slots.reserve(present_count);
+    std::size_t packed_count = 0;
+    std::size_t next_missing_entry = sums.gradients.size();
+    for (std::size_t position = 0; position < params.size(); ++position) {
+      if (!is_present(position)) continue;
+      const bool local = entry_of[position] != no_entry;
+      detail::mpi::tensor_slot slot{local ? entry_of[position] : next_missing_entry++, 0, 0};
+      slot.count = *params[position].shape.checked_element_count();
+      if (host_memory_backend<B> && slot.count * sizeof(W) >= GRADACCUM_MPI_IN_PLACE_MIN_BYTES) {
+        slot.offset = detail::mpi::tensor_slot::in_place;
+      } else {
+        slot.offset = packed_count;
+        packed_count += slot.count;
+      }
+      slots.push_back(slot);
+    }
+    auto packed = std::make_unique_for_overwrite<W[]>(packed_count);
+
+    // Insert the zeros; should an insertion run out of memory, take the earlier ones out again.
+    std::size_t inserted = 0;
+    try {
+      for (; inserted < missing.size(); ++inserted) {
+        sums.gradients.insert(params[missing[inserted]].id, std::move(zeros[inserted]));
+      }
+    } catch (...) {
+      for (std::size_t k = 0; k < inserted; ++k) sums.gradients.erase(params[missing[k]].id);
+      throw;
+    }
+
+    gradients_ = std::move(sums.gradients);
+    slots_ = std::move(slots);
+    taken_ = false;
+    for (const auto& slot : slots_) {
+      if (slot.offset == detail::mpi::tensor_slot::in_place) continue;
+      tensor<W>& t = detail::mpi::tensor_at<B, W>(gradients_, slot.entry);
+      if constexpr (host_memory_backend<B>) {
+        std::copy_n(B::data(t), slot.count, packed.get() + slot.offset);
+      } else {
+        B::to_row_major(t, std::span<W>(packed.get() + slot.offset, slot.count));
+      }
+    }
+    packed_count_ = packed_count;
+    packed_ = std::move(packed);
+  }
+
+  /// Sums the packed buffer and every in-place tensor over `comm`.
+  void start(MPI_Comm comm, launch mode) {
+    detail::visit_work_dtype(state_.dtype, [&]<class W>() {
+      const auto reduce = [&](W* data, std::size_t count) {
+        detail::mpi::for_each_piece(data, count, [&](W* piece, int piece_count) {
+          if (mode == launch::blocking) {
+            detail::mpi::check(
+                MPI_Allreduce(MPI_IN_PLACE, piece, piece_count, detail::mpi::datatype<W>(), MPI_SUM, comm),
+                "MPI_Allreduce");
+          } else {
+            MPI_Request request = MPI_REQUEST_NULL;
+            requests_.reserve(requests_.size() + 1);
+            detail::mpi::check(MPI_Iallreduce(MPI_IN_PLACE, piece, piece_count, detail::mpi::datatype<W>(), MPI_SUM,
+                                              comm, &request),
+                               "MPI_Iallreduce");
+            requests_.push_back(request);
+          }
+        });
+      };
+      if (packed_count_ != 0) reduce(std::get<std::unique_ptr<W[]>>(packed_).get(), packed_count_);
+      if constexpr (host_memory_backend<B>) {
+        for (const auto& slot : slots_) {
+          if (slot.offset == detail::mpi::tensor_slot::in_place) {
+            reduce(B::data(detail::mpi::tensor_at<B, W>(gradients_, slot.entry)), slot.count);
+          }
+        }
+      }
+    });
+  }
+
+  /// Unpacks the summed small tensors, then `t = (t / W(s)) / W(total_weight)` for every tensor.
+  template <class W>
+  void normalize() {
+    const W* packed = std::get<std::unique_ptr<W[]>>(packed_).get();
+    for (const auto& slot : slots_) {
+      tensor<W>& t = detail::mpi::tensor_at<B, W>(gradients_, slot.entry);
+      if (slot.offset != detail::mpi::tensor_slot::in_place) {
+        if constexpr (host_memory_backend<B>) {
+          std::copy_n(packed + slot.offset, slot.count, B::data(t));
+        } else {
+          t = B::template from_row_major<W>(std::span<const W>(packed + slot.offset, slot.count), B::shape(t),
+                                            B::device(t));
+        }
+      }
+      B::divide(t, static_cast<W>(state_.loss_scale), static_cast<W>(state_.total_weight));
+    }
+  }
+
+  /// Waits for requests still in flight (MPI writes into buffers this object owns); errors are
+  /// dropped, since there is no one left to report them to.
+  void complete_quietly() noexcept {
+    if (!requests_.empty()) MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+    requests_.clear();
+  }
+
+  gradients_params<B> gradients_;
+  weighted_accumulation_state state_;
+  packed_buffer packed_;
+  std::size_t packed_count_ = 0;
+  std::vector<detail::mpi::tensor_slot> slots_;  // present parameters, in parameter order
+  std::vector<MPI_Request> requests_;
+  bool taken_ = true;
+};
+
+/// @brief Starts reducing every rank's window sums over `comm` and returns a request to wait on.
+///
+/// Collective: every rank of `comm` calls it with its own `sums` (from `finish_sums()`) and the
+/// same parameter set. The agreement (presence, dtype, loss scale, weights; two small collectives)
+/// happens before this returns, so every error below is thrown here, by every rank alike; only the
+/// value sums (`MPI_Iallreduce`) are left in flight.
+///
+/// @throws error(errc::invalid_state) when ranks disagree on the work dtype or the loss scale, or
+/// when a rank's sums are malformed; error(errc::parameter_mismatch) when ranks pass different
+/// parameter sets; error(errc::empty_weight) when the total weight over all ranks is zero;
+/// error(errc::invalid_weight) or error(errc::counter_overflow) when the summed weights or counts
+/// do not fit. A rank whose own sums are rejected throws its own error; its peers throw the same
+/// code naming that rank. `sums` is moved from only on success. Should memory run out on one
+/// rank after the agreement, that rank throws `std::bad_alloc` with its sums unchanged, but its
+/// peers then block in the value reduction, as they would after any failed collective.
+template <class B>
+  requires mpi_reducible_backend<B>
+[[nodiscard]] allreduce_mean_request<B> start_allreduce_mean(const parameter_set<B>& params,
+                                                             accumulated_gradients<B>&& sums, MPI_Comm comm) {
+  allreduce_mean_request<B> request(params, sums, comm);
+  request.start(comm, allreduce_mean_request<B>::launch::nonblocking);
+  return request;
+}
+
+/// @brief Reduces every rank's window sums over `comm` and returns, on every rank, the mean over
+/// all ranks' microbatches:
+///
+///     result[p] = (Σ_r sums_r[p] / W(s)) / W(Σ_r total_weight_r)
+///
+/// for every parameter present on any rank (absent on all ranks: absent), with the global state
+/// (summed total weight and microbatch count). Collective, with the errors and guarantees of
+/// `start_allreduce_mean`. Values travel once: small tensors packed into one buffer and reduced
+/// by one `MPI_Allreduce`, large ones in place when the backend is a `host_memory_backend`.
+template <class B>
+  requires mpi_reducible_backend<B>
+[[nodiscard]] accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
+                                                      MPI_Comm comm) {
+  allreduce_mean_request<B> request(params, sums, comm);
+  request.start(comm, allreduce_mean_request<B>::launch::blocking);
+  return request.wait();
+}
+
+}  // namespace gradaccum

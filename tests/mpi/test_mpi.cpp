@@ -1,0 +1,360 @@
+/// @file
+/// @brief `<gradaccum/mpi.hpp>` under `mpirun -np N` (N = 1, 2, 3): the reduced mean equals one
+/// process accumulating every rank's microbatches bit for bit, and every disagreement is the same
+/// error on every rank, with every rank's sums left as they were.
+///
+/// Values are small integers and the loss scale a power of two, so every sum is exact in any
+/// order and the comparison with the single-process run can be bitwise. Tests only CHECK (never
+/// REQUIRE), so no rank leaves a test case early and skips a collective its peers are in.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <gradaccum/gradaccum.hpp>
+#include <gradaccum/mpi.hpp>
+
+#include "../test_backend.hpp"
+#include "../test_helpers.hpp"
+
+#ifdef GRADACCUM_TEST_HAVE_EIGEN
+#include <gradaccum/backends/eigen.hpp>
+#endif
+
+namespace {
+
+using gradaccum::errc;
+using gradaccum::float_dtype;
+
+int world_rank = 0;
+int world_size = 1;
+
+#ifdef GRADACCUM_TEST_HAVE_EIGEN
+/// The Eigen backend with its storage exposed: large tensors are reduced in place and small
+/// ones packed with plain copies.
+struct eigen_host_backend : gradaccum::eigen_backend {
+  template <class T>
+  static T* data(tensor<T>& t) noexcept {
+    return t.data();
+  }
+};
+static_assert(gradaccum::host_memory_backend<eigen_host_backend>);
+#define EIGEN_BACKENDS gradaccum::eigen_backend, eigen_host_backend,
+#else
+#define EIGEN_BACKENDS
+#endif
+// The test-only backend has no `data`: its values travel through to_row_major / from_row_major.
+static_assert(!gradaccum::host_memory_backend<gradaccum::test::vector_backend>);
+static_assert(gradaccum::mpi_reducible_backend<gradaccum::test::vector_backend>);
+
+struct parameter_spec {
+  std::string id;
+  gradaccum::tensor_shape shape;
+};
+
+/// Every shape has rank 2, as Eigen matrices do. "big" holds 20480 elements, above the in-place threshold in F32 and F64; "solo" receives a
+/// gradient on one rank only; "unused" on none.
+const std::vector<parameter_spec>& model() {
+  static const std::vector<parameter_spec> specs{
+      {"embed", {4, 3}},     {"fc.weight", {3, 5}}, {"fc.bias", {5, 1}},
+      {"big", {160, 128}}, {"solo", {2, 2}},      {"unused", {3, 1}},
+  };
+  return specs;
+}
+
+struct microbatch {
+  double weight;
+  bool mean;  // gradients of a MEAN loss (accumulate_mean), else of a SUM loss
+  std::vector<std::string> ids;
+};
+
+/// The whole step's microbatches, unequal in size and in which parameters they touch. The
+/// zero-weight one carries gradients (they add nothing, but are validated and counted).
+const std::vector<microbatch>& step() {
+  static const std::vector<microbatch> microbatches{
+      {7, false, {"embed", "fc.weight", "fc.bias", "big"}},
+      {3, true, {"embed", "solo", "big"}},
+      {12, false, {"fc.weight", "big"}},
+      {0, false, {"embed", "fc.bias"}},
+      {5, true, {"embed", "fc.weight", "big"}},
+      {1, false, {"fc.bias"}},
+  };
+  return microbatches;
+}
+
+/// Rank that accumulates microbatch `index` of a `ranks`-rank run: the zero-weight one goes to
+/// the last rank, which then has no tokens at all; the others round-robin over the rest, so
+/// "solo" (microbatch 1) lands on one rank only.
+int owner(std::size_t index, int ranks) {
+  if (step()[index].weight == 0.0) return ranks - 1;
+  return static_cast<int>(index % static_cast<std::size_t>(ranks > 1 ? ranks - 1 : 1));
+}
+
+template <class B>
+gradaccum::parameter_set<B> parameters(const std::vector<parameter_spec>& specs = model()) {
+  gradaccum::parameter_set<B> params;
+  for (const auto& spec : specs) params.add(spec.id, spec.shape, {});
+  return params;
+}
+
+/// Integer gradient values in [-4, 4], different per microbatch, parameter and element.
+template <class B, class T>
+typename B::template tensor<T> gradient(std::size_t index, const parameter_spec& spec) {
+  std::vector<T> values(*spec.shape.checked_element_count());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    values[i] = static_cast<T>(static_cast<int>((index * 7 + spec.id.size() * 3 + i) % 9) - 4);
+  }
+  return B::template from_row_major<T>(std::span<const T>(values), spec.shape, {});
+}
+
+template <class B>
+gradaccum::gradients_params<B> gradients_of(std::size_t index, float_dtype dtype) {
+  gradaccum::gradients_params<B> grads;
+  for (const auto& spec : model()) {
+    for (const auto& id : step()[index].ids) {
+      if (id != spec.id) continue;
+      if (dtype == float_dtype::f64) {
+        grads.insert(id, gradient<B, double>(index, spec));
+      } else {
+        grads.insert(id, gradient<B, float>(index, spec));
+      }
+    }
+  }
+  return grads;
+}
+
+template <class B>
+void accumulate(gradaccum::weighted_gradients_accumulator<B>& window, const gradaccum::parameter_set<B>& params,
+                std::size_t index, float_dtype dtype) {
+  const microbatch& mb = step()[index];
+  if (mb.mean) {
+    window.accumulate_mean(params, gradients_of<B>(index, dtype), mb.weight);
+  } else {
+    window.accumulate_sum(params, gradients_of<B>(index, dtype), mb.weight);
+  }
+}
+
+constexpr double loss_scale = 4.0;
+
+/// This rank's share of the step, as `finish_sums()` hands it over.
+template <class B>
+gradaccum::accumulated_gradients<B> local_sums(const gradaccum::parameter_set<B>& params, float_dtype dtype,
+                                               double scale = loss_scale) {
+  gradaccum::weighted_gradients_accumulator<B> window(dtype, scale);
+  for (std::size_t index = 0; index < step().size(); ++index) {
+    if (owner(index, world_size) == world_rank) accumulate(window, params, index, dtype);
+  }
+  return window.finish_sums();
+}
+
+/// What one process accumulating every microbatch of the step gets from `finish_mean`.
+template <class B>
+gradaccum::accumulated_gradients<B> single_process_mean(const gradaccum::parameter_set<B>& params, float_dtype dtype) {
+  gradaccum::weighted_gradients_accumulator<B> window(dtype, loss_scale);
+  for (std::size_t index = 0; index < step().size(); ++index) accumulate(window, params, index, dtype);
+  return window.finish_mean(params);
+}
+
+template <class B>
+gradaccum::weighted_gradients_record record_of(const gradaccum::accumulated_gradients<B>& result) {
+  return {result.gradients.to_record(), result.state};
+}
+
+/// Checks that `call` throws `code` on this rank and leaves `sums` exactly as they were.
+template <class B, class Call>
+void check_rejected_unchanged(gradaccum::accumulated_gradients<B>& sums, const Call& call, errc code,
+                              std::string_view param_id = {}) {
+  const auto before = record_of(sums);
+  GRADACCUM_CHECK_REJECTED(call(), code, param_id);
+  GRADACCUM_CHECK_SAME_BITS(record_of(sums), before);
+}
+
+/// A reduction that must work after a rejected one: the ranks are still in step.
+template <class B>
+void check_ranks_still_agree(const gradaccum::parameter_set<B>& params) {
+  auto mean = gradaccum::allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+  GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(single_process_mean(params, float_dtype::f32)));
+}
+
+#define BACKENDS EIGEN_BACKENDS gradaccum::test::vector_backend
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("allreduce_mean equals one process accumulating every rank's microbatches", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  for (const float_dtype dtype : {float_dtype::f32, float_dtype::f64}) {
+    INFO("work dtype " << dtype);
+    auto sums = local_sums(params, dtype);
+    const auto mean = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
+    const auto expected = single_process_mean(params, dtype);
+    GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(expected));
+    // Spelled out, since the comparison above would also pass if both were wrong the same way:
+    CHECK(mean.state.total_weight == 28.0);
+    CHECK(mean.state.microbatches == step().size());
+    CHECK(mean.gradients.contains("solo"));       // present on one rank: reduced everywhere
+    CHECK_FALSE(mean.gradients.contains("unused"));  // present on none: absent
+    CHECK(mean.gradients.size() == 5);
+  }
+}
+
+TEST_CASE_TEMPLATE("a rank with zero tokens receives the full result and counts its microbatches", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  auto sums = local_sums(params, float_dtype::f32);
+  if (world_size > 1 && world_rank == world_size - 1) {
+    CHECK(sums.gradients.empty());
+    CHECK(sums.state.total_weight == 0.0);
+    CHECK(sums.state.microbatches == 1);
+  }
+  const auto mean = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
+  // fc.bias: sums g0 and g5 of microbatches 0 and 5, over 28 tokens and a loss scale of 4.
+  const auto record = mean.gradients.to_record();  // sorted by id: big, embed, fc.bias, ...
+  CHECK(record.tensors[2].id == "fc.bias");
+  const auto bias = std::get<std::vector<float>>(record.tensors[2].values);
+  const std::vector<float> g0{-1, 0, 1, 2, 3};  // ((index · 7 + 7 · 3 + i) mod 9) - 4
+  const std::vector<float> g5{-2, -1, 0, 1, 2};
+  for (std::size_t i = 0; i < 5; ++i) CHECK(bias[i] == (g0[i] + g5[i]) / 4.0F / 28.0F);
+}
+
+TEST_CASE_TEMPLATE("start_allreduce_mean overlaps other work and gives the same result", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  auto request = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD);
+  CHECK(request.state().total_weight == 28.0);
+  CHECK(request.state().microbatches == step().size());
+  const auto expected = single_process_mean(params, float_dtype::f64);  // the overlapped work
+  while (!request.test()) {
+  }
+  auto moved = std::move(request);
+  const auto mean = moved.wait();
+  GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(expected));
+  GRADACCUM_CHECK_REJECTED(moved.wait(), errc::invalid_state, "");
+  GRADACCUM_CHECK_REJECTED(request.wait(), errc::invalid_state, "");
+
+  {  // dropped without waiting: the destructor waits, and the ranks stay in step
+    auto dropped = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+  }
+  check_ranks_still_agree(params);
+}
+
+TEST_CASE_TEMPLATE("mismatched loss scales are an error on every rank, and nothing is taken", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  if (world_size == 1) return;  // one rank always agrees with itself
+  const auto params = parameters<B>();
+  auto sums = local_sums(params, float_dtype::f32, world_rank == 0 ? 2.0 : loss_scale);
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); }, errc::invalid_state);
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
+      errc::invalid_state);
+  check_ranks_still_agree(params);
+}
+
+TEST_CASE_TEMPLATE("mismatched work dtypes are an error on every rank, and nothing is taken", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  if (world_size == 1) return;
+  const auto params = parameters<B>();
+  auto sums = local_sums(params, world_rank == world_size - 1 ? float_dtype::f64 : float_dtype::f32);
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); }, errc::invalid_state);
+  check_ranks_still_agree(params);
+}
+
+TEST_CASE_TEMPLATE("a zero total weight over all ranks is empty_weight everywhere, and nothing is cleared", B,
+                   BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, loss_scale);
+  window.accumulate_sum(params, gradients_of<B>(3, float_dtype::f32), 0.0);
+  auto sums = window.finish_sums();
+  CHECK(sums.state.microbatches == 1);
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); }, errc::empty_weight);
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
+      errc::empty_weight);
+  check_ranks_still_agree(params);
+}
+
+TEST_CASE_TEMPLATE("one rank's malformed sums are its own error there and the same code everywhere else", B,
+                   BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  const bool culprit = world_rank == 0;  // a rank with tokens, so its sums are otherwise valid
+  const auto reduce = [&](gradaccum::accumulated_gradients<B>& sums) {
+    return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
+  };
+
+  SUBCASE("a gradient of no parameter") {
+    auto sums = local_sums(params, float_dtype::f32);
+    if (culprit) sums.gradients.insert("ghost", B::template zeros<float>({2, 1}, {}));
+    check_rejected_unchanged(sums, [&] { return reduce(sums); }, errc::unknown_parameters, culprit ? "ghost" : "");
+  }
+  SUBCASE("a pending tensor of another dtype than the state's") {
+    auto sums = local_sums(params, float_dtype::f32);
+    if (culprit) sums.gradients.insert("fc.bias", B::template zeros<double>({5, 1}, {}));
+    check_rejected_unchanged(sums, [&] { return reduce(sums); }, errc::invalid_state, culprit ? "fc.bias" : "");
+  }
+  SUBCASE("an invalid state") {
+    auto sums = local_sums(params, float_dtype::f32);
+    if (culprit) sums.state.loss_scale = -1.0;
+    check_rejected_unchanged(sums, [&] { return reduce(sums); }, errc::invalid_state);
+  }
+  check_ranks_still_agree(params);
+}
+
+TEST_CASE_TEMPLATE("ranks with different parameter sets are parameter_mismatch everywhere", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  if (world_size == 1) return;
+  auto specs = model();
+  if (world_rank == 0) specs[2].shape = {6, 1};
+  const auto params = parameters<B>(specs);
+  auto sums = local_sums(parameters<B>(), float_dtype::f32);
+  if (world_rank == 0) sums.gradients.erase("fc.bias");  // keep this rank's own sums valid
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
+      errc::parameter_mismatch);
+  check_ranks_still_agree(parameters<B>());
+}
+
+TEST_CASE_TEMPLATE("summed weights and counts that do not fit are an error on every rank", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  if (world_size == 1) return;
+  const auto params = parameters<B>();
+
+  SUBCASE("total weight beyond the largest float") {
+    gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, loss_scale);
+    window.accumulate_sum(params, gradients_of<B>(5, float_dtype::f32), 3e38);
+    auto sums = window.finish_sums();
+    check_rejected_unchanged(
+        sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
+        errc::invalid_weight);
+  }
+  SUBCASE("microbatch count beyond 2^64 - 1") {
+    gradaccum::accumulated_gradients<B> sums{{}, {float_dtype::f32, loss_scale, 1.0, std::uint64_t{1} << 63}};
+    check_rejected_unchanged(
+        sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
+        errc::counter_overflow);
+  }
+  check_ranks_still_agree(params);
+}
+
+/// Runs doctest on every rank (rank 0 reports in full, the others only their failures) and fails
+/// on every rank when any rank failed.
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  doctest::Context context(argc, argv);
+  if (world_rank != 0) context.setOption("minimal", true);
+  int failed = context.run() != 0 ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return failed;
+}
