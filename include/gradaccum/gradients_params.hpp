@@ -112,7 +112,9 @@ class gradients_params {
   void insert(std::string_view id, X&& value) {
     using stored = stored_type<std::remove_cvref_t<X>>;
     if (const auto position = find(id)) {
-      entries_[*position].value.template emplace<stored>(std::forward<X>(value));
+      // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
+      value_type replacement(std::in_place_type<stored>, std::forward<X>(value));
+      entries_[*position].value = std::move(replacement);
       return;
     }
     entry added{std::string(id), value_type(std::in_place_type<stored>, std::forward<X>(value))};
