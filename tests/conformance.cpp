@@ -553,7 +553,9 @@ TEST_CASE_TEMPLATE("non_finite names the pending ids that overflowed, and change
 
   gradients_accumulator<B> plain;
   plain.accumulate(params, gradient<B, double>("c", {1, 2}, {not_a_number, 1}));
+  const auto plain_before = plain.try_to_record();
   CHECK(plain.non_finite() == std::vector<std::string>{"c"});
+  GRADACCUM_CHECK_SAME_BITS(plain.try_to_record(), plain_before);
 }
 
 TEST_CASE_TEMPLATE("accumulators are movable and keep their window", B, GRADACCUM_TEST_BACKENDS) {

@@ -134,4 +134,20 @@ gradients_params_record uninterrupted_mean() {
   return accumulator.finish_mean(params).gradients.to_record();
 }
 
+/// A large window record whose every value derives from `generation`, for the kill test:
+/// 4 MiB of F32 pending values, and the generation as the microbatch count.
+inline weighted_gradients_record generation_record(std::uint64_t generation) {
+  constexpr std::size_t side = 1024;
+  std::vector<float> values(side * side);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>((generation * 31 + i) % 4093);
+  return {{{{"w", float_dtype::f32, {side, side}, std::move(values)}}},
+          {float_dtype::f32, 1.0, static_cast<double>(generation + 1), generation + 1}};
+}
+
+/// Whether `record` is exactly `generation_record` of the generation it names.
+inline bool is_intact_generation(const weighted_gradients_record& record) {
+  if (record.state.microbatches == 0) return false;
+  return record == generation_record(record.state.microbatches - 1);
+}
+
 }  // namespace gradaccum::test::window

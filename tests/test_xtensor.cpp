@@ -1,14 +1,12 @@
 // What only the xtensor backend promises: its tensor and view types, in-place views of caller
-// memory, 16-bit storage types, row-major records of xtensor storage, no allocation in steady
-// state. The accumulation contract itself runs against xtensor in conformance.cpp.
+// memory, its 16-bit storage types, row-major records of xtensor storage of any rank. The
+// accumulation contract, agreement with the other backends and allocation behaviour run against
+// xtensor in conformance.cpp and test_alloc_failure.cpp.
 //
 // Built twice: plainly, and with XTENSOR_USE_XSIMD against xtensor's 0.26+ header layout
 // (GRADACCUM_TEST_XSIMD_FOLDERED), so both configurations pass the same tests.
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <new>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -35,27 +33,6 @@
 #elif defined(XTENSOR_USE_XSIMD)
 #error "this build is meant to run without xsimd"
 #endif
-
-namespace {
-
-// Counts global operator new calls so the steady-state test can see allocations. (With xsimd,
-// tensor storage comes from xsimd's aligned malloc instead and is not counted.)
-std::atomic<std::size_t> allocations{0};
-
-}  // namespace
-
-void* operator new(std::size_t size) {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* memory = std::malloc(size == 0 ? 1 : size)) return memory;
-  throw std::bad_alloc();
-}
-// Out of line, or GCC's -Wmismatched-new-delete sees `free` of a pointer from `operator new`.
-[[gnu::noinline]] void operator delete(void* memory) noexcept {
-  std::free(memory);
-}
-[[gnu::noinline]] void operator delete(void* memory, std::size_t /*size*/) noexcept {
-  std::free(memory);
-}
 
 namespace gradaccum::test {
 namespace {
@@ -209,29 +186,6 @@ TEST_CASE("a tensor of rank above max_rank is refused and changes nothing") {
   deep.insert("w", xt::xarray<float>::from_shape(too_many_axes));
   GRADACCUM_CHECK_REJECTED(window.accumulate_sum(params, deep, 1.0), errc::invalid_record, "");
   GRADACCUM_CHECK_SAME_BITS(window.try_to_record(), before);
-}
-
-TEST_CASE("accumulating allocates nothing once every parameter has a pending tensor") {
-  parameter_set<B> params;
-  for (const char* id : {"a", "b", "c"}) params.add(id, xt::xarray<float>::from_shape({4, 3}));
-  const std::vector<float> buffer(12, 0.5F);
-  gradients_params<B> grads;
-  grads.insert("a", counting<float>({4, 3}));
-  grads.insert("b", B::view_of(buffer.data(), {4, 3}));
-  grads.insert("c", xt::xarray<bf16_bits>(shape_type{4, 3}, bf16_bits{0x3f80}));
-
-  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
-  const std::size_t at_start = allocations.load();
-  window.accumulate_mean(params, grads, 2.0);
-  CHECK(allocations.load() > at_start);  // the first call creates the pending tensors
-
-  for (int microbatch = 0; microbatch < 3; ++microbatch) {
-    const std::size_t before = allocations.load();
-    window.accumulate_mean(params, grads, 2.0);
-    window.accumulate_sum(params, grads, 0.0);
-    CHECK(allocations.load() == before);
-  }
-  CHECK(window.state().microbatches == 7);
 }
 
 }  // namespace

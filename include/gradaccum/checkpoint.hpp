@@ -298,8 +298,9 @@ template <checkpoint_record R>
 R read_record(sized_streambuf& source, checkpoint_format format) {
   R record;
   const auto fail_with = [&](const char* cause) {
+    // Outside our loaders, cereal only reads a binary input's version and byte order tag.
     fail(errc::invalid_record, "checkpoint is not a valid " + std::string(to_string(format)) + " " + record_name<R>() +
-                                   " (" + cause + ").");
+                                   (is_text_format(format) ? "" : ": the input is truncated") + " (" + cause + ").");
   };
   try {
     visit_format(format, [&]<class Archives>() {

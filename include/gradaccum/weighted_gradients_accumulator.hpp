@@ -190,17 +190,7 @@ class weighted_gradients_accumulator {
   static void check_restorable(const weighted_accumulation_state& state, std::size_t pending_count,
                                ForEach&& for_each_tensor) {
     validate(state);
-    if (state.total_weight == 0.0 && pending_count != 0) {
-      detail::fail(errc::invalid_state, "accumulation state has zero total weight but pending gradients.");
-    }
-    for_each_tensor([&](const std::string& id, float_dtype dtype) {
-      if (dtype != state.dtype) {
-        detail::fail(errc::invalid_state,
-                     "pending tensor '" + id + "' has dtype " + std::string(to_string(dtype)) +
-                         " but the accumulation state's work dtype is " + std::string(to_string(state.dtype)) + ".",
-                     id);
-      }
-    });
+    detail::check_pending_against(state, pending_count, std::forward<ForEach>(for_each_tensor));
   }
 
   gradients_accumulator<B> accumulator_;
