@@ -1,0 +1,217 @@
+/// @file
+/// @brief Checkpoint save and load (binary, portable binary, JSON) of an accumulator's pending
+/// window, against the floor: fwrite / fread of the same values, on a tmpfs (/dev/shm), so the
+/// disk is out of the picture and what remains is serialization and copying.
+///
+/// Cases are `ckpt_<save|load>/<format>/<layout>`: `1_tensor` (one parameter of <bytes>) and
+/// `<N>_tensors` (N parameters of 64 floats: 10,000 in binary, 1,000 in JSON). Peers:
+///  - `hand`          fopen + fwrite of the raw values (one call per tensor) + fclose; load:
+///                    fopen + fread into freshly allocated buffers + fclose. No fsync, no rename:
+///                    the floor, not a crash-safe writer;
+///  - `ours_eigen`    save_checkpoint(path, accumulator, format) — snapshot (try_to_record) plus
+///                    an atomic write (temporary, fsync, rename, directory fsync); load:
+///                    load_checkpoint(path, params, accumulator, format), i.e. read, validate and
+///                    restore into the accumulator;
+///  - `ours_record`   the same without the accumulator: save_checkpoint(path, record) of a record
+///                    taken beforehand, load_checkpoint<weighted_gradients_record>(path).
+
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include <gradaccum/backends/eigen.hpp>
+#include <gradaccum/checkpoint.hpp>
+#include <gradaccum/gradaccum.hpp>
+
+#include "bench_common.hpp"
+
+namespace ga_bench {
+namespace {
+
+using backend = gradaccum::eigen_backend;
+using gradaccum::checkpoint_format;
+
+std::filesystem::path& scratch_directory() {
+  static std::filesystem::path directory;
+  return directory;
+}
+
+/// A model with one pending window: `count` parameters of `elements` floats, pending = g.
+struct window {
+  std::size_t count;
+  std::size_t elements;
+  gradaccum::parameter_set<backend> params;
+  gradaccum::weighted_gradients_accumulator<backend> acc{gradaccum::float_dtype::f32, 1.0};
+  const float* values;  // the gradients (and so the pending values), contiguous
+
+  window(std::size_t count_, std::size_t elements_)
+      : count(count_), elements(elements_), values(pool().gradient<float>(count_ * elements_)) {
+    gradaccum::gradients_params<backend> grads;
+    const auto rows = static_cast<Eigen::Index>(elements);
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::string id = "blocks." + std::to_string(i) + ".mlp.weight";
+      params.add(id, backend::view<float>(values + i * elements, rows, 1));
+      grads.insert(id, backend::view<float>(values + i * elements, rows, 1));
+    }
+    acc.accumulate_sum(params, grads, 1.0);
+  }
+  [[nodiscard]] std::size_t bytes() const noexcept { return count * elements * sizeof(float); }
+};
+
+std::string layout_name(std::size_t count) { return count == 1 ? "1_tensor" : std::to_string(count) + "_tensors"; }
+
+std::filesystem::path file_for(const std::string& stem, checkpoint_format format) {
+  const char* extension = format == checkpoint_format::binary            ? ".bin"
+                          : format == checkpoint_format::portable_binary ? ".pbin"
+                          : format == checkpoint_format::json            ? ".json"
+                                                                         : ".xml";
+  return scratch_directory() / (stem + extension);
+}
+
+void hand_save(benchmark::State& state, const window& w, const std::filesystem::path& path) {
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      std::FILE* file = std::fopen(path.c_str(), "wb");
+      if (file == nullptr) {
+        state.SkipWithError("cannot open the scratch file");
+        break;
+      }
+      for (std::size_t i = 0; i < w.count; ++i) std::fwrite(w.values + i * w.elements, sizeof(float), w.elements, file);
+      std::fclose(file);
+    }
+  }
+  state.counters["bytes"] = static_cast<double>(w.bytes());
+}
+
+void hand_load(benchmark::State& state, const window& w, const std::filesystem::path& path) {
+  {
+    std::FILE* file = std::fopen(path.c_str(), "wb");  // the file to read
+    for (std::size_t i = 0; i < w.count; ++i) std::fwrite(w.values + i * w.elements, sizeof(float), w.elements, file);
+    std::fclose(file);
+  }
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      std::FILE* file = std::fopen(path.c_str(), "rb");
+      if (file == nullptr) {
+        state.SkipWithError("cannot open the scratch file");
+        break;
+      }
+      std::vector<std::unique_ptr<float[]>> tensors;
+      tensors.reserve(w.count);
+      for (std::size_t i = 0; i < w.count; ++i) {
+        tensors.emplace_back(new float[w.elements]);
+        if (std::fread(tensors.back().get(), sizeof(float), w.elements, file) != w.elements) {
+          state.SkipWithError("short read");
+          break;
+        }
+      }
+      std::fclose(file);
+      benchmark::DoNotOptimize(tensors.data());
+      benchmark::ClobberMemory();
+    }
+  }
+  state.counters["bytes"] = static_cast<double>(w.bytes());
+}
+
+void ours_save(benchmark::State& state, const window& w, const std::filesystem::path& path, checkpoint_format format,
+               bool whole_accumulator) {
+  const auto record = w.acc.try_to_record();
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      if (whole_accumulator) {
+        gradaccum::save_checkpoint(path, w.acc, format);
+      } else {
+        gradaccum::save_checkpoint(path, record, format);
+      }
+    }
+  }
+  state.counters["bytes"] = static_cast<double>(w.bytes());
+  state.counters["file_bytes"] = static_cast<double>(std::filesystem::file_size(path));
+}
+
+void ours_load(benchmark::State& state, const window& w, const std::filesystem::path& path, checkpoint_format format,
+               bool whole_accumulator) {
+  gradaccum::save_checkpoint(path, w.acc, format);
+  gradaccum::weighted_gradients_accumulator<backend> restored(gradaccum::float_dtype::f32, 1.0);
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      if (whole_accumulator) {
+        gradaccum::load_checkpoint(path, w.params, restored, format);
+      } else {
+        auto record = gradaccum::load_checkpoint<gradaccum::weighted_gradients_record>(path, format);
+        benchmark::DoNotOptimize(record);
+      }
+      benchmark::ClobberMemory();
+    }
+  }
+  state.counters["bytes"] = static_cast<double>(w.bytes());
+}
+
+/// Windows are built on first use and kept (they hold hundreds of MiB at most).
+const window& window_of(std::size_t count, std::size_t elements) {
+  static std::vector<std::unique_ptr<window>> windows;
+  for (const auto& w : windows) {
+    if (w->count == count && w->elements == elements) return *w;
+  }
+  windows.push_back(std::make_unique<window>(count, elements));
+  return *windows.back();
+}
+
+void register_cases(checkpoint_format format, std::size_t count, std::size_t elements) {
+  const std::size_t bytes = count * elements * sizeof(float);
+  if (!size_enabled(bytes)) return;
+  const std::string format_name(gradaccum::to_string(format));
+  const std::string layout = layout_name(count);
+  const std::string stem = format_name + "_" + layout + "_" + std::to_string(bytes);
+  for (const bool save : {true, false}) {
+    const std::string base = std::string(save ? "ckpt_save/" : "ckpt_load/") + format_name + "/" + layout + "/";
+    const auto hand_path = scratch_directory() / (stem + ".raw");
+    const auto path = file_for(stem, format);
+    add(base + "hand", bytes, [=](benchmark::State& s) {
+      const window& w = window_of(count, elements);
+      save ? hand_save(s, w, hand_path) : hand_load(s, w, hand_path);
+    });
+    for (const bool whole : {true, false}) {
+      add(base + (whole ? "ours_eigen" : "ours_record"), bytes, [=](benchmark::State& s) {
+        const window& w = window_of(count, elements);
+        save ? ours_save(s, w, path, format, whole) : ours_load(s, w, path, format, whole);
+      });
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ga_bench
+
+int main(int argc, char** argv) {
+  namespace fs = std::filesystem;
+  using gradaccum::checkpoint_format;
+  const fs::path base = fs::exists("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
+  ga_bench::scratch_directory() = base / ("gradaccum-bench-" + std::to_string(::getpid()));
+  fs::create_directories(ga_bench::scratch_directory());
+  const int status = ga_bench::run(argc, argv, [] {
+    benchmark::AddCustomContext("ga_checkpoint_dir", ga_bench::scratch_directory().string());
+    using ga_bench::MiB;
+    using ga_bench::KiB;
+    for (const auto format : {checkpoint_format::binary, checkpoint_format::portable_binary}) {
+      ga_bench::register_cases(format, 1, 256 * KiB / sizeof(float));
+      ga_bench::register_cases(format, 1, 4 * MiB / sizeof(float));
+      ga_bench::register_cases(format, 1, 64 * MiB / sizeof(float));
+      ga_bench::register_cases(format, 10'000, 64);
+    }
+    // Text is ~10x larger and parsed number by number (~1 µs per value): small layouts only.
+    ga_bench::register_cases(checkpoint_format::json, 1, 256 * KiB / sizeof(float));
+    ga_bench::register_cases(checkpoint_format::json, 1'000, 64);
+  });
+  std::error_code ignored;
+  fs::remove_all(ga_bench::scratch_directory(), ignored);
+  return status;
+}

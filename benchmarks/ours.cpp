@@ -1,0 +1,222 @@
+/// @file
+/// @brief gradaccum's own cases ("ours_<backend>"), through the public API only.
+///
+/// Accumulation cases reuse one accumulator for every iteration, so after the first call the
+/// window holds a pending tensor and a call costs what a training step pays per microbatch.
+/// Incoming gradients are views of the shared buffers (no copy).
+
+#include "bench_peers.hpp"
+
+// GRADACCUM_BENCH_OURS_EIGEN / _XTENSOR come from meson.build: the backend's dependency was found.
+#ifdef GRADACCUM_BENCH_OURS_EIGEN
+#include <gradaccum/backends/eigen.hpp>
+#include <gradaccum/gradaccum.hpp>
+
+#include "bench_eigen.hpp"
+#endif
+
+#ifdef GRADACCUM_BENCH_OURS_XTENSOR
+#include <gradaccum/backends/xtensor.hpp>
+#include <gradaccum/gradaccum.hpp>
+#endif
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace ga_bench {
+namespace {
+
+/// Drives one accumulator through `accumulate_sum` (weight 1) or `accumulate_mean`
+/// (weight `mean_weight`): the total weight grows by at most 3 per call, far from the F32 limit.
+template <class B>
+void accumulate_loop(benchmark::State& state, const accumulate_case& c, const gradaccum::parameter_set<B>& params,
+                     const gradaccum::gradients_params<B>& grads, gradaccum::float_dtype work) {
+  gradaccum::weighted_gradients_accumulator<B> acc(work, 1.0);
+  const auto step = [&] {
+    if (c.mean) {
+      acc.accumulate_mean(params, grads, mean_weight);
+    } else {
+      acc.accumulate_sum(params, grads, 1.0);
+    }
+  };
+  step();  // creates the pending tensor
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      step();
+      benchmark::ClobberMemory();
+    }
+  }
+  state.counters["threads"] = openmp_threads();  // the pool gradaccum may split large tensors over
+}
+
+std::string param_name(std::size_t i) { return "blocks." + std::to_string(i) + ".mlp.weight"; }
+
+/// What the generic cases need from each backend: its row name, the element type of a
+/// benchmark dtype, and a read-only view of n contiguous elements.
+template <class B>
+struct backend_of;
+
+#ifdef GRADACCUM_BENCH_OURS_EIGEN
+using eigen_b = gradaccum::eigen_backend;
+template <>
+struct backend_of<eigen_b> {
+  static constexpr const char* name = "ours_eigen";
+  template <class In>
+  using element = eigen_element_t<In>;
+  template <class T>
+  static auto view(const T* p, std::size_t n) {
+    return eigen_b::view<T>(p, static_cast<Eigen::Index>(n), 1);
+  }
+};
+#endif
+
+#ifdef GRADACCUM_BENCH_OURS_XTENSOR
+using xtensor_b = gradaccum::xtensor_backend;
+template <>
+struct backend_of<xtensor_b> {
+  static constexpr const char* name = "ours_xtensor";
+  // xtensor has no 16-bit float type; the backend stores them as bit patterns.
+  template <class In>
+  using element = std::conditional_t<std::is_same_v<In, f16_bits>, gradaccum::f16_bits,
+                                     std::conditional_t<std::is_same_v<In, bf16_bits>, gradaccum::bf16_bits, In>>;
+  template <class T>
+  static auto view(const T* p, std::size_t n) {
+    return xtensor_b::view_of<T>(p, xtensor_b::shape_type{n});
+  }
+};
+#endif
+
+/// The shared buffers as elements of B (16-bit: the same bits, another 2-byte type).
+template <class B, class In>
+auto elements_of(const storage_t<In>* p) {
+  using E = typename backend_of<B>::template element<In>;
+  static_assert(sizeof(E) == sizeof(storage_t<In>) && std::is_trivially_copyable_v<E>);
+  return reinterpret_cast<const E*>(p);
+}
+
+template <class B, class W, class In>
+void accumulate_case_body(benchmark::State& state, accumulate_case c) {
+  const std::size_t n = c.elements();
+  const auto* g = elements_of<B, In>(pool().gradient<In>(n));
+  gradaccum::parameter_set<B> params;
+  params.add("w", backend_of<B>::view(g, n));
+  gradaccum::gradients_params<B> grads;
+  grads.insert("w", backend_of<B>::view(g, n));
+  accumulate_loop(state, c, params, grads, gradaccum::dtype_of<W>);
+  state.counters["bytes"] = accumulate_bytes<W, In>(n);
+}
+
+/// `count` parameters of `elements` floats, each gradient its own allocation, viewed in place.
+template <class B>
+struct small_model {
+  gradaccum::parameter_set<B> params;
+  std::vector<raw_buffer> storage;
+  gradaccum::gradients_params<B> grads;
+  std::size_t elements;
+
+  explicit small_model(const many_small_case& c) : elements(c.elements) {
+    const float* source = pool().gradient<float>(c.count * c.elements);
+    storage.reserve(c.count);
+    for (std::size_t i = 0; i < c.count; ++i) {
+      storage.push_back(allocate_pages_small(c.elements * sizeof(float)));
+      std::memcpy(storage.back().get(), source + i * c.elements, c.elements * sizeof(float));
+      params.add(param_name(i), backend_of<B>::view(data(i), elements));
+    }
+    insert_all();
+  }
+  [[nodiscard]] const float* data(std::size_t i) const { return static_cast<const float*>(storage[i].get()); }
+  void insert_all() {
+    for (std::size_t i = 0; i < storage.size(); ++i) grads.insert(params[i].id, backend_of<B>::view(data(i), elements));
+  }
+};
+
+/// `rebuild`: also clear and refill the gradients_params every call (what a training loop
+/// that builds one per microbatch pays on top).
+template <class B>
+void many_small_body(benchmark::State& state, many_small_case c, bool rebuild) {
+  small_model<B> model(c);
+  gradaccum::weighted_gradients_accumulator<B> acc(gradaccum::float_dtype::f32, 1.0);
+  acc.accumulate_sum(model.params, model.grads, 1.0);
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      if (rebuild) {
+        model.grads.clear();
+        model.insert_all();
+      }
+      acc.accumulate_sum(model.params, model.grads, 1.0);
+      benchmark::ClobberMemory();
+    }
+  }
+  state.counters["bytes"] = static_cast<double>(c.count * c.elements * 3 * sizeof(float));
+}
+
+template <class B, class W>
+void finish_body(benchmark::State& state, std::size_t bytes) {
+  const std::size_t n = bytes / sizeof(W);
+  const W* g = pool().gradient<W>(n);
+  gradaccum::parameter_set<B> params;
+  params.add("w", backend_of<B>::view(g, n));
+  gradaccum::gradients_params<B> grads;
+  grads.insert("w", backend_of<B>::view(g, n));
+  gradaccum::weighted_gradients_accumulator<B> acc(gradaccum::dtype_of<W>, finish_loss_scale);
+  std::optional<gradaccum::accumulated_gradients<B>> result;
+  // pending = g with total weight 3; the result is freed outside the timed part.
+  manual_loop(
+      state,
+      [&] {
+        result.reset();
+        acc.accumulate_sum(params, grads, finish_total_weight);
+      },
+      [&] { result.emplace(acc.finish_mean(params)); });
+  state.counters["bytes"] = 2.0 * static_cast<double>(bytes);
+  state.counters["threads"] = openmp_threads();
+}
+
+/// Calls `f.template operator()<B>()` for every backend built in.
+template <class F>
+void for_each_backend(F&& f) {
+#ifdef GRADACCUM_BENCH_OURS_EIGEN
+  f.template operator()<eigen_b>();
+#endif
+#ifdef GRADACCUM_BENCH_OURS_XTENSOR
+  f.template operator()<xtensor_b>();
+#endif
+  (void)f;
+}
+
+}  // namespace
+
+void register_ours_accumulate(const accumulate_case& c) {
+  for_each_backend([&]<class B>() {
+    c.visit([&]<class W, class In>() {
+      add(c.name() + "/" + backend_of<B>::name, c.bytes,
+          [c](benchmark::State& s) { accumulate_case_body<B, W, In>(s, c); });
+    });
+  });
+}
+
+void register_ours_many_small(const many_small_case& c) {
+  for_each_backend([&]<class B>() {
+    const std::string name = c.name() + "/" + backend_of<B>::name;
+    add(name, c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, false); });
+    add(name + "_rebuild", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, true); });
+  });
+}
+
+void register_ours_finish(bool f64, std::size_t bytes) {
+  for_each_backend([&]<class B>() {
+    const std::string name = std::string(f64 ? "finish_mean/f64/" : "finish_mean/f32/") + backend_of<B>::name;
+    if (f64) {
+      add_manual(name, bytes, [bytes](benchmark::State& s) { finish_body<B, double>(s, bytes); });
+    } else {
+      add_manual(name, bytes, [bytes](benchmark::State& s) { finish_body<B, float>(s, bytes); });
+    }
+  });
+}
+
+}  // namespace ga_bench
