@@ -847,10 +847,16 @@ void feed(const mixed_window& window, F&& add) {
   }
 }
 
+/// Records of the pending sums before finish_mean and of its result.
+struct window_result {
+  gradients_params_record sums;
+  gradients_params_record mean;
+};
+
 /// The window computed one element at a time: `pending = pending + W(m) · W(g)`, with m the weight
-/// (mean) or 1 (sum), then `(pending / W(s)) / W(Σ w)`. Returns {pending sums, finished mean}.
+/// (mean) or 1 (sum), then `(pending / W(s)) / W(Σ w)`.
 template <class W>
-std::pair<gradients_params_record, gradients_params_record> reference_window(const mixed_window& window) {
+window_result reference_window(const mixed_window& window) {
   std::vector<W> a(6, W{0});
   std::vector<W> b(6, W{0});
   double total = 0;
@@ -879,9 +885,9 @@ std::pair<gradients_params_record, gradients_params_record> reference_window(con
   return {sums, record(a, b)};
 }
 
-/// {pending sums, finished mean} of `mixed_window` on backend B.
+/// `mixed_window` on backend B.
 template <class B, class W>
-std::pair<gradients_params_record, gradients_params_record> run_window(const mixed_window& window) {
+window_result run_window(const mixed_window& window) {
   const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
   weighted_gradients_accumulator<B> acc(dtype_of<W>, mixed_window::loss_scale);
   feed<B>(window, [&](const gradients_params<B>& grads, const mixed_window::microbatch& mb) {
@@ -898,13 +904,13 @@ TEST_CASE_TEMPLATE("every backend gives the reference bits, so backends agree wi
   const mixed_window window;
   for_each_work_type([&]<class W>() {
     INFO("work dtype " << dtype_of<W>);
-    const auto [sums, mean] = run_window<B, W>(window);
-    const auto [reference_sums, reference_mean] = reference_window<W>(window);
-    GRADACCUM_CHECK_SAME_BITS(sums, reference_sums);
-    GRADACCUM_CHECK_SAME_BITS(mean, reference_mean);
-    const auto [vector_sums, vector_mean] = run_window<vector_backend, W>(window);
-    GRADACCUM_CHECK_SAME_BITS(sums, vector_sums);
-    GRADACCUM_CHECK_SAME_BITS(mean, vector_mean);
+    const window_result actual = run_window<B, W>(window);
+    const window_result reference = reference_window<W>(window);
+    GRADACCUM_CHECK_SAME_BITS(actual.sums, reference.sums);
+    GRADACCUM_CHECK_SAME_BITS(actual.mean, reference.mean);
+    const window_result on_vector_backend = run_window<vector_backend, W>(window);
+    GRADACCUM_CHECK_SAME_BITS(actual.sums, on_vector_backend.sums);
+    GRADACCUM_CHECK_SAME_BITS(actual.mean, on_vector_backend.mean);
   });
 }
 
