@@ -23,8 +23,9 @@
 ///   binary archives only.
 ///
 /// Loading treats the bytes as untrusted. Every problem found by these functions throws
-/// `gradaccum::error` naming it: `errc::invalid_state` for the accumulation state,
-/// `errc::invalid_record` for everything else. The object being loaded is replaced only on
+/// `gradaccum::error` naming it: `errc::invalid_state` for the accumulation state's fields and
+/// their agreement with the tensors, `errc::invalid_record` for everything else (format versions,
+/// tensors, structure, truncation outside the state). The object being loaded is replaced only on
 /// success, and loaded records are `validate`d (so a weighted record's tensors are in its state's
 /// work dtype). Memory grows only as bytes arrive: counts are checked against shapes before
 /// anything is allocated, and raw blocks are read in chunks that grow geometrically with what
@@ -451,8 +452,9 @@ void load(Archive& ar, gradients_params_record& record, const std::uint32_t vers
     ar(cereal::make_nvp("tensors", detail::archive_node{[&](auto& node) {
          cereal::size_type count = 0;
          node(cereal::make_size_tag(count));
-         // A forged count must not reserve memory: the list grows as tensors actually arrive.
-         loaded.tensors.reserve(static_cast<std::size_t>(std::min<cereal::size_type>(count, 64)));
+         // A text archive's count is the length of an array it has parsed; a binary archive's
+         // may be forged, so there the list grows only as tensors actually arrive.
+         if constexpr (detail::is_text_archive<Archive>) loaded.tensors.reserve(static_cast<std::size_t>(count));
          for (cereal::size_type i = 0; i < count; ++i) {
            tensor_record tensor;
            node(tensor);

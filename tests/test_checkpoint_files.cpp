@@ -1,0 +1,357 @@
+/// @file
+/// @brief checkpoint.hpp: checkpoint files. Saved and loaded by path in every format, chosen
+/// explicitly or by extension; saving is atomic (a writer killed mid-save never leaves a torn
+/// file: the previous checkpoint always loads); a failed save or load changes nothing; an
+/// asynchronous save snapshots the window as of the call; and a window written by one process
+/// and continued by another finishes bit-identically to the uninterrupted window.
+
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <iterator>
+#include <random>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <doctest/doctest.h>
+
+#include <gradaccum/backends/eigen.hpp>
+#include <gradaccum/checkpoint.hpp>
+#include <gradaccum/gradaccum.hpp>
+
+#include "test_checkpoint_fixture.hpp"
+#include "test_checkpoint_support.hpp"
+#include "test_helpers.hpp"
+
+extern char** environ;
+
+using namespace gradaccum;
+using backend = eigen_backend;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// A fresh directory, removed with everything in it at the end of the test.
+class scratch_directory {
+ public:
+  scratch_directory() {
+    std::string pattern = (fs::temp_directory_path() / "gradaccum-checkpoint-XXXXXX").string();
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path_ = pattern;
+  }
+  scratch_directory(const scratch_directory&) = delete;
+  scratch_directory& operator=(const scratch_directory&) = delete;
+  ~scratch_directory() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  [[nodiscard]] fs::path operator/(const std::string& name) const { return path_ / name; }
+  /// Names of the files in the directory, sorted.
+  [[nodiscard]] std::vector<std::string> files() const {
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(path_)) names.push_back(entry.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+ private:
+  fs::path path_;
+};
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+std::string extension_of(checkpoint_format format) {
+  switch (format) {
+    case checkpoint_format::binary: return ".bin";
+    case checkpoint_format::portable_binary: return ".pbin";
+    case checkpoint_format::json: return ".json";
+    case checkpoint_format::xml: return ".xml";
+  }
+  return "";
+}
+
+/// Starts `checkpoint_helper` with `arguments`.
+pid_t spawn_helper(const std::vector<std::string>& arguments) {
+  std::vector<std::string> words = {GRADACCUM_CHECKPOINT_HELPER};
+  words.insert(words.end(), arguments.begin(), arguments.end());
+  std::vector<char*> argv;
+  for (std::string& word : words) argv.push_back(word.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  REQUIRE(::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) == 0);
+  return pid;
+}
+
+/// Runs `checkpoint_helper` to completion; its exit status.
+int run_helper(const std::vector<std::string>& arguments) {
+  const pid_t pid = spawn_helper(arguments);
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFEXITED(status));
+  return WEXITSTATUS(status);
+}
+
+/// The fixture window after `k` microbatches.
+weighted_gradients_accumulator<backend> window_after(const parameter_set<backend>& params, std::size_t k) {
+  weighted_gradients_accumulator<backend> accumulator(test::window::work_dtype, test::window::loss_scale);
+  test::window::run(accumulator, params, 0, k);
+  return accumulator;
+}
+
+}  // namespace
+
+TEST_CASE("checkpoints round-trip by path in every format, chosen by extension or explicitly") {
+  const scratch_directory directory;
+  const parameter_set<backend> params = test::window::make_parameters<backend>();
+  const auto accumulator = window_after(params, 4);
+  const weighted_gradients_record record = accumulator.try_to_record();
+  for (checkpoint_format format : test::all_formats) {
+    CAPTURE(format);
+    const fs::path by_extension = directory / ("window" + extension_of(format));
+    save_checkpoint(by_extension, record);
+    GRADACCUM_CHECK_SAME_BITS(load_checkpoint<weighted_gradients_record>(by_extension), record);
+    CHECK(read_bytes(by_extension) == serialize_checkpoint(record, format));
+
+    const fs::path explicit_format = directory / "window.ckpt";
+    save_checkpoint(explicit_format, accumulator, format);
+    CHECK(read_bytes(explicit_format) == serialize_checkpoint(record, format));
+    weighted_gradients_accumulator<backend> restored(float_dtype::f64, 2.0);
+    load_checkpoint(explicit_format, params, restored, format);
+    GRADACCUM_CHECK_SAME_BITS(restored.try_to_record(), record);
+  }
+  CHECK(directory.files() == std::vector<std::string>{"window.bin", "window.ckpt", "window.json", "window.pbin",
+                                                      "window.xml"});  // no temporary left behind
+}
+
+TEST_CASE("the extension names the format in any case; another extension is refused before anything is written") {
+  CHECK(checkpoint_format_for("a/b.bin") == checkpoint_format::binary);
+  CHECK(checkpoint_format_for("b.PBIN") == checkpoint_format::portable_binary);
+  CHECK(checkpoint_format_for("b.Json") == checkpoint_format::json);
+  CHECK(checkpoint_format_for("b.xml") == checkpoint_format::xml);
+  for (checkpoint_format format : test::all_formats) CHECK(parse_checkpoint_format(to_string(format)) == format);
+  CHECK_FALSE(parse_checkpoint_format("JSON").has_value());
+
+  const scratch_directory directory;
+  const fs::path unknown = directory / "window.ckpt";
+  try {
+    save_checkpoint(unknown, weighted_gradients_record{});
+    FAIL("saved to a path without a known extension");
+  } catch (const fs::filesystem_error& e) {
+    CHECK(e.code() == std::errc::invalid_argument);
+    CHECK(e.path1() == unknown);
+    CHECK(std::string(e.what()).find(".ckpt") != std::string::npos);
+  }
+  CHECK_THROWS_AS((void)load_checkpoint<weighted_gradients_record>(unknown), fs::filesystem_error);
+  CHECK(directory.files().empty());
+}
+
+TEST_CASE("a checkpoint read as another format than it was written in is rejected, not misread") {
+  const scratch_directory directory;
+  const weighted_gradients_record record = window_after(test::window::make_parameters<backend>(), 3).try_to_record();
+  for (checkpoint_format written : test::all_formats) {
+    const fs::path path = directory / "window.data";
+    save_checkpoint(path, record, written);
+    for (checkpoint_format read : test::all_formats) {
+      if (read == written) continue;
+      CAPTURE(written);
+      CAPTURE(read);
+      try {
+        (void)load_checkpoint<weighted_gradients_record>(path, read);
+        FAIL("read a " << to_string(written) << " checkpoint as " << to_string(read));
+      } catch (const error& e) {
+        CHECK((e.code() == errc::invalid_record || e.code() == errc::invalid_state));
+        CHECK(std::string(e.what()).find(path.string()) != std::string::npos);
+      }
+    }
+  }
+}
+
+TEST_CASE("a save that fails leaves the previous checkpoint as it was, and no temporary") {
+  const scratch_directory directory;
+  const fs::path path = directory / "window.bin";
+  const weighted_gradients_record good = window_after(test::window::make_parameters<backend>(), 2).try_to_record();
+  save_checkpoint(path, good);
+  const std::string before = read_bytes(path);
+
+  SUBCASE("a record that would not load back") {
+    weighted_gradients_record duplicate = good;
+    duplicate.gradients.tensors.push_back(duplicate.gradients.tensors.front());
+    const std::string id = duplicate.gradients.tensors.front().id;
+    GRADACCUM_CHECK_REJECTED(save_checkpoint(path, duplicate), errc::invalid_record, id);
+    weighted_gradients_record negative = good;
+    negative.state.total_weight = -1.0;
+    GRADACCUM_CHECK_REJECTED(save_checkpoint(path, negative), errc::invalid_state, "");
+  }
+  SUBCASE("a directory that does not exist") {
+    const fs::path missing = directory / "missing" / "window.bin";
+    try {
+      save_checkpoint(missing, good);
+      FAIL("saved into a missing directory");
+    } catch (const fs::filesystem_error& e) {
+      CHECK(e.code() == std::errc::no_such_file_or_directory);
+      CHECK(e.path1().parent_path() == missing.parent_path());
+    }
+  }
+  CHECK(read_bytes(path) == before);
+  CHECK(directory.files() == std::vector<std::string>{"window.bin"});
+}
+
+TEST_CASE("loading a missing file or a directory throws filesystem_error naming the path") {
+  const scratch_directory directory;
+  const fs::path missing = directory / "missing.bin";
+  try {
+    (void)load_checkpoint<weighted_gradients_record>(missing);
+    FAIL("loaded a missing file");
+  } catch (const fs::filesystem_error& e) {
+    CHECK(e.code() == std::errc::no_such_file_or_directory);
+    CHECK(e.path1() == missing);
+  }
+  fs::create_directory(directory / "folder.bin");
+  CHECK_THROWS_AS((void)load_checkpoint<weighted_gradients_record>(directory / "folder.bin"), fs::filesystem_error);
+}
+
+TEST_CASE("a checkpoint that does not fit the parameters leaves the accumulator unchanged") {
+  const scratch_directory directory;
+  const parameter_set<backend> params = test::window::make_parameters<backend>();
+  auto accumulator = window_after(params, 3);
+  const weighted_gradients_record before = accumulator.try_to_record();
+
+  parameter_set<backend> other;
+  other.add("unrelated", tensor_shape{2, 2}, eigen_cpu_device{});
+  const fs::path path = directory / "other.json";
+  {
+    weighted_gradients_accumulator<backend> foreign(float_dtype::f32, 8.0);
+    gradients_params<backend> grads;
+    grads.insert("unrelated", backend::tensor<float>(backend::tensor<float>::Ones(2, 2)));
+    foreign.accumulate_sum(other, grads, 1.0);
+    save_checkpoint(path, foreign);
+  }
+  try {
+    load_checkpoint(path, params, accumulator);
+    FAIL("loaded a checkpoint of other parameters");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::unknown_parameters);
+    CHECK(e.param_id() == "unrelated");
+    CHECK(std::string(e.what()).find(path.string()) != std::string::npos);
+  }
+  GRADACCUM_CHECK_SAME_BITS(accumulator.try_to_record(), before);
+
+  std::ofstream(path, std::ios::trunc) << "{\"weighted_gradients_record\": ";  // torn JSON
+  GRADACCUM_CHECK_REJECTED(load_checkpoint(path, params, accumulator), errc::invalid_record, "");
+  GRADACCUM_CHECK_SAME_BITS(accumulator.try_to_record(), before);
+}
+
+TEST_CASE("a plain accumulator's pending sums checkpoint and restore") {
+  const scratch_directory directory;
+  const parameter_set<backend> params = test::window::make_parameters<backend>();
+  gradients_accumulator<backend> accumulator;
+  accumulator.accumulate_with_dtype(params, test::window::gradients_of<backend>(0), float_dtype::f64);
+  accumulator.accumulate_with_dtype(params, test::window::gradients_of<backend>(1), float_dtype::f64);
+  for (checkpoint_format format : test::all_formats) {
+    CAPTURE(format);
+    const fs::path path = directory / ("sums" + extension_of(format));
+    save_checkpoint(path, accumulator);
+    gradients_accumulator<backend> restored;
+    load_checkpoint(path, params, restored);
+    GRADACCUM_CHECK_SAME_BITS(restored.try_to_record(), accumulator.try_to_record());
+  }
+}
+
+TEST_CASE("an asynchronous save writes the window as of the call while training goes on") {
+  const scratch_directory directory;
+  const parameter_set<backend> params = test::window::make_parameters<backend>();
+  auto accumulator = window_after(params, 3);
+  const weighted_gradients_record at_call = accumulator.try_to_record();
+
+  const fs::path path = directory / "window.bin";
+  std::future<void> saved = save_checkpoint_async(path, accumulator);
+  test::window::run(accumulator, params, 3, 5);  // training continues at once
+  const auto finished = accumulator.finish_mean(params);
+  saved.get();
+  GRADACCUM_CHECK_SAME_BITS(load_checkpoint<weighted_gradients_record>(path), at_call);
+  CHECK(finished.state.microbatches == 5);
+
+  std::future<void> record_saved = save_checkpoint_async(directory / "record.json", at_call);
+  record_saved.get();
+  GRADACCUM_CHECK_SAME_BITS(load_checkpoint<weighted_gradients_record>(directory / "record.json"), at_call);
+
+  // I/O errors arrive through the future; an unknown extension is refused on the calling thread.
+  std::future<void> failed = save_checkpoint_async(directory / "missing" / "window.bin", accumulator);
+  CHECK_THROWS_AS(failed.get(), fs::filesystem_error);
+  CHECK_THROWS_AS((void)save_checkpoint_async(directory / "window.ckpt", accumulator), fs::filesystem_error);
+}
+
+TEST_CASE("a window written by one process and continued by another finishes bit-identically") {
+  const scratch_directory directory;
+  const gradients_params_record uninterrupted = test::window::uninterrupted_mean<backend>();
+  for (checkpoint_format format : test::all_formats) {
+    for (std::size_t k : {0, 3, 6}) {
+      CAPTURE(format);
+      CAPTURE(k);
+      const std::string path = (directory / ("window" + extension_of(format))).string();
+      const std::string finished = (directory / "finished.bin").string();
+      REQUIRE(run_helper({"write-window", path, std::string(to_string(format)), std::to_string(k)}) == 0);
+      REQUIRE(run_helper({"continue-window", path, std::string(to_string(format)), finished}) == 0);
+      GRADACCUM_CHECK_SAME_BITS(load_checkpoint<gradients_params_record>(finished), uninterrupted);
+    }
+  }
+}
+
+TEST_CASE("a writer killed mid-save never leaves a torn checkpoint: the previous one always loads") {
+  const scratch_directory directory;
+  const fs::path path = directory / "window.bin";
+  save_checkpoint(path, test::window::generation_record(0));
+  // The generation of the checkpoint at `path`, which must be intact whenever it is read.
+  const auto generation_at = [&] {
+    const weighted_gradients_record loaded = load_checkpoint<weighted_gradients_record>(path);
+    REQUIRE(test::window::is_intact_generation(loaded));
+    return loaded.state.microbatches - 1;
+  };
+  std::mt19937 random(20240611);
+  std::uniform_int_distribution<int> delay_us(0, 10000);
+  constexpr int kills = 30;
+  int killed_mid_save = 0;  // kills that left a temporary behind
+  std::uint64_t last_generation = 0;
+  for (int round = 0; round < kills; ++round) {
+    CAPTURE(round);
+    const pid_t writer = spawn_helper({"save-loop", path.string(), std::to_string(last_generation + 1)});
+    // Let the writer replace the checkpoint at least once (reading it meanwhile), then kill it
+    // at a random moment of its save loop.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (generation_at() == last_generation) {
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us(random)));
+    REQUIRE(::kill(writer, SIGKILL) == 0);
+    int status = 0;
+    REQUIRE(::waitpid(writer, &status, 0) == writer);
+    REQUIRE_MESSAGE(WIFSIGNALED(status), "the writer exited by itself, status " << status);
+
+    const std::uint64_t generation = generation_at();
+    CHECK(generation > last_generation);  // never an older checkpoint
+    last_generation = generation;
+    for (const std::string& name : directory.files()) {
+      if (name == "window.bin") continue;
+      CHECK(name.starts_with(".window.bin.tmp."));
+      fs::remove(directory / name);
+      ++killed_mid_save;
+    }
+  }
+  MESSAGE(killed_mid_save << " of " << kills << " kills landed mid-save; the last checkpoint is generation "
+                          << last_generation);
+  CHECK(killed_mid_save > 0);
+}

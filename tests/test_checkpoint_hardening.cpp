@@ -1,0 +1,466 @@
+/// @file
+/// @brief Loading untrusted bytes: truncated inputs, flipped bits, absurd lengths and shapes,
+/// negative or NaN counters, unknown dtype names, duplicate ids, wrong versions, deep nesting.
+/// Each gives `gradaccum::error` with the right code and a message naming the problem — never a
+/// crash, never another exception, and never an allocation larger than the remaining input can
+/// justify (a replaced operator new records the largest one) — and a failed load leaves the
+/// accumulator exactly as it was.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <limits>
+#include <new>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <unistd.h>
+
+#include <doctest/doctest.h>
+
+#include <gradaccum/backends/eigen.hpp>
+#include <gradaccum/checkpoint.hpp>
+#include <gradaccum/gradaccum.hpp>
+
+#include "test_checkpoint_fixture.hpp"
+#include "test_checkpoint_support.hpp"
+#include "test_helpers.hpp"
+
+// ---- The largest single allocation, recorded by a replaced operator new ------------------------
+
+namespace {
+std::atomic<bool> tracking{false};
+std::atomic<std::size_t> largest_allocation{0};
+
+void* allocate(std::size_t size) {
+  if (tracking.load(std::memory_order_relaxed)) {
+    std::size_t seen = largest_allocation.load(std::memory_order_relaxed);
+    while (size > seen && !largest_allocation.compare_exchange_weak(seen, size)) {
+    }
+  }
+  if (void* memory = std::malloc(size == 0 ? 1 : size)) return memory;
+  throw std::bad_alloc();
+}
+}  // namespace
+
+void* operator new(std::size_t size) { return allocate(size); }
+void* operator new[](std::size_t size) { return allocate(size); }
+void operator delete(void* memory) noexcept { std::free(memory); }
+void operator delete[](void* memory) noexcept { std::free(memory); }
+void operator delete(void* memory, std::size_t /*size*/) noexcept { std::free(memory); }
+void operator delete[](void* memory, std::size_t /*size*/) noexcept { std::free(memory); }
+
+using namespace gradaccum;
+using backend = eigen_backend;
+
+namespace {
+
+/// The largest single allocation `call` makes.
+template <class F>
+std::size_t largest_allocation_of(F&& call) {
+  largest_allocation = 0;
+  tracking = true;
+  try {
+    call();
+  } catch (...) {
+    tracking = false;
+    throw;
+  }
+  tracking = false;
+  return largest_allocation;
+}
+
+/// Builds binary archive bytes field by field (little-endian, as cereal's binary archive writes
+/// on this machine), to forge what a writer never would.
+class binary_bytes {
+ public:
+  binary_bytes& u32(std::uint32_t value) { return raw(&value, sizeof value); }
+  binary_bytes& u64(std::uint64_t value) { return raw(&value, sizeof value); }
+  binary_bytes& f64(double value) { return raw(&value, sizeof value); }
+  binary_bytes& text(std::string_view value) { return u64(value.size()).raw(value.data(), value.size()); }
+  binary_bytes& floats(std::initializer_list<float> values) {
+    u64(values.size());
+    for (float value : values) raw(&value, sizeof value);
+    return *this;
+  }
+  /// version, dtype, loss scale, total weight, microbatches.
+  binary_bytes& state(std::string_view dtype, double loss_scale, double total_weight, std::uint64_t microbatches) {
+    return u32(1).text(dtype).f64(loss_scale).f64(total_weight).u64(microbatches);
+  }
+  /// A tensor's id, dtype and shape; its version only for the first tensor of an archive.
+  binary_bytes& tensor_head(bool first, std::string_view id, std::string_view dtype,
+                            std::initializer_list<std::uint64_t> shape) {
+    if (first) u32(1);
+    text(id).text(dtype).u64(shape.size());
+    for (std::uint64_t dim : shape) u64(dim);
+    return *this;
+  }
+  binary_bytes& raw(const void* data, std::size_t size) {
+    bytes_.append(static_cast<const char*>(data), size);
+    return *this;
+  }
+  [[nodiscard]] const std::string& str() const noexcept { return bytes_; }
+
+ private:
+  std::string bytes_;
+};
+
+/// A window record with two tensors: 'b' [1, 2] = {0.5, -1}, 'w' [2, 3] = {1, ..., 6}.
+binary_bytes valid_window_bytes() {
+  binary_bytes bytes;
+  bytes.u32(1).state("F32", 1024.0, 7.0, 2).u32(1).u64(2);
+  bytes.tensor_head(true, "b", "F32", {1, 2}).floats({0.5F, -1.0F});
+  bytes.tensor_head(false, "w", "F32", {2, 3}).floats({1, 2, 3, 4, 5, 6});
+  return bytes;
+}
+
+const weighted_gradients_record valid_window{
+    {{{"b", float_dtype::f32, {1, 2}, std::vector<float>{0.5F, -1.0F}},
+      {"w", float_dtype::f32, {2, 3}, std::vector<float>{1, 2, 3, 4, 5, 6}}}},
+    {float_dtype::f32, 1024.0, 7.0, 2}};
+
+/// Starts a window record: version, a valid F32 state, the gradients' version and `count`.
+binary_bytes window_head(std::uint64_t count) {
+  binary_bytes bytes;
+  bytes.u32(1).state("F32", 1.0, 1.0, 1).u32(1).u64(count);
+  return bytes;
+}
+
+/// Checks that parsing `bytes` as a window record in `format` throws `error` with `code`,
+/// naming `param_id`, with every one of `phrases` in the message.
+void check_refused(const std::string& bytes, checkpoint_format format, errc code, std::string_view param_id,
+                   std::initializer_list<std::string_view> phrases) {
+  try {
+    (void)parse_checkpoint<weighted_gradients_record>(bytes, format);
+    FAIL_CHECK("accepted, but expected rejection with " << code);
+  } catch (const error& e) {
+    CHECK(e.code() == code);
+    CHECK(e.param_id() == param_id);
+    const std::string message = e.what();
+    for (std::string_view phrase : phrases) {
+      CHECK_MESSAGE(message.find(phrase) != std::string::npos,
+                    "message \"" << message << "\" lacks \"" << std::string(phrase) << "\"");
+    }
+  }
+}
+
+/// `text` with its first `occurrence` (0-based) of `from` replaced by `to`; the test fails if
+/// there is no such occurrence.
+std::string replaced(std::string text, std::string_view from, std::string_view to, int occurrence = 0) {
+  std::size_t at = text.find(from);
+  for (int i = 0; i < occurrence && at != std::string::npos; ++i) at = text.find(from, at + 1);
+  REQUIRE_MESSAGE(at != std::string::npos, "no \"" << std::string(from) << "\" #" << occurrence << " in\n" << text);
+  return text.replace(at, from.size(), to);
+}
+
+/// The parameters of `valid_window`, and an accumulator holding another window over them.
+struct restore_target {
+  parameter_set<backend> params;
+  weighted_gradients_accumulator<backend> accumulator{float_dtype::f32, 4.0};
+
+  restore_target() {
+    params.add("b", tensor_shape{1, 2}, eigen_cpu_device{});
+    params.add("w", tensor_shape{2, 3}, eigen_cpu_device{});
+    gradients_params<backend> grads;
+    grads.insert("w", backend::tensor<float>(backend::tensor<float>::Constant(2, 3, 0.25F)));
+    accumulator.accumulate_sum(params, grads, 3.0);
+  }
+};
+
+/// A file that is removed when the test ends.
+class scratch_file {
+ public:
+  explicit scratch_file(std::string_view extension)
+      : path_(std::filesystem::temp_directory_path() /
+              ("gradaccum-hardening-" + std::to_string(::getpid()) + std::string(extension))) {}
+  scratch_file(const scratch_file&) = delete;
+  scratch_file& operator=(const scratch_file&) = delete;
+  ~scratch_file() { std::filesystem::remove(path_); }
+  const std::filesystem::path& write(const std::string& bytes) const {
+    std::ofstream(path_, std::ios::binary | std::ios::trunc) << bytes;
+    return path_;
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+std::string extension_of(checkpoint_format format) {
+  return format == checkpoint_format::portable_binary ? ".pbin"
+         : format == checkpoint_format::binary       ? ".bin"
+                                                     : "." + std::string(to_string(format));
+}
+
+}  // namespace
+
+TEST_CASE("the binary layout is the documented one: fields in order, strings and lists as a size and raw bytes") {
+  CHECK(valid_window_bytes().str() == serialize_checkpoint(valid_window, checkpoint_format::binary));
+  GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(valid_window_bytes().str(),
+                                                                        checkpoint_format::binary),
+                            valid_window);
+}
+
+TEST_CASE("every truncation is refused with a named problem, and a failed load changes nothing") {
+  restore_target target;
+  const weighted_gradients_record before = target.accumulator.try_to_record();
+  for (checkpoint_format format : test::all_formats) {
+    CAPTURE(format);
+    const std::string whole = serialize_checkpoint(valid_window, format);
+    const scratch_file file(extension_of(format));
+    const std::size_t content = whole.find_last_not_of(" \t\n") + 1;  // dropping trailing newlines cuts nothing
+    for (std::size_t length = 0; length < content; ++length) {
+      CAPTURE(length);
+      const std::string cut = whole.substr(0, length);
+      try {
+        (void)parse_checkpoint<weighted_gradients_record>(cut, format);
+        FAIL_CHECK("a truncated checkpoint loaded");
+      } catch (const error& e) {
+        CHECK((e.code() == errc::invalid_record || e.code() == errc::invalid_state));
+        if (!detail::is_text_format(format)) CHECK(std::string(e.what()).find("truncated") != std::string::npos);
+      }
+      CHECK_THROWS_AS(load_checkpoint(file.write(cut), target.params, target.accumulator), error);
+    }
+    GRADACCUM_CHECK_SAME_BITS(target.accumulator.try_to_record(), before);
+    target.accumulator.load_record(target.params, parse_checkpoint<weighted_gradients_record>(whole, format));
+    GRADACCUM_CHECK_SAME_BITS(target.accumulator.try_to_record(), valid_window);
+    target.accumulator.load_record(target.params, before);
+  }
+}
+
+TEST_CASE("a plain archive(record) refuses truncated binary input too: cereal itself reads only the version") {
+  const std::string whole = serialize_checkpoint(valid_window, checkpoint_format::binary);
+  for (std::size_t length = 0; length < whole.size(); ++length) {
+    CAPTURE(length);
+    try {
+      (void)test::load_plain<test::binary_archives, weighted_gradients_record>(whole.substr(0, length));
+      FAIL_CHECK("a truncated checkpoint loaded");
+    } catch (const error& e) {
+      CHECK(std::string(e.what()).find("truncated") != std::string::npos);
+    } catch (const cereal::Exception&) {
+      CHECK(length < sizeof(std::uint32_t));  // the outermost version, read before our loader runs
+    }
+  }
+}
+
+TEST_CASE("flipped bits either load as another valid record or are refused; nothing else happens") {
+  for (checkpoint_format format : test::all_formats) {
+    CAPTURE(format);
+    const std::string whole = serialize_checkpoint(valid_window, format);
+    std::size_t loaded = 0;
+    std::size_t refused = 0;
+    for (std::size_t position = 0; position < whole.size(); ++position) {
+      for (int bit = 0; bit < 8; ++bit) {
+        std::string flipped = whole;
+        flipped[position] = static_cast<char>(flipped[position] ^ (1 << bit));
+        try {
+          const auto record = parse_checkpoint<weighted_gradients_record>(flipped, format);
+          CHECK_NOTHROW(validate(record));
+          // What loads is a record like any other: it saves and loads back to itself.
+          GRADACCUM_CHECK_SAME_BITS(
+              parse_checkpoint<weighted_gradients_record>(serialize_checkpoint(record, format), format), record);
+          ++loaded;
+        } catch (const error& e) {
+          CHECK((e.code() == errc::invalid_record || e.code() == errc::invalid_state));
+          CHECK(std::string(e.what()).size() > 20);
+          ++refused;
+        }
+      }
+    }
+    MESSAGE(to_string(format) << ": " << loaded << " bit flips loaded, " << refused << " refused");
+    CHECK(refused > 0);
+  }
+}
+
+TEST_CASE("absurd counts, lengths and shapes are refused before anything of their size is allocated") {
+  constexpr std::uint64_t huge = std::uint64_t{1} << 60;
+  struct forged {
+    const char* what;
+    std::string bytes;
+    errc code;
+    const char* param_id;
+    std::vector<std::string_view> phrases;
+  };
+  const std::vector<forged> cases = {
+      {"tensor count", window_head(huge).str(), errc::invalid_record, "", {"'tensors'", "truncated"}},
+      {"id length", window_head(1).u32(1).u64(huge).str(), errc::invalid_record, "", {"'id'", "bytes left"}},
+      {"dtype name length", window_head(1).u32(1).text("w").u64(1000).str(), errc::invalid_record, "w",
+       {"'dtype'", "1000 bytes, more than the 8 allowed"}},
+      {"rank", window_head(1).u32(1).text("w").text("F32").u64(huge).str(), errc::invalid_record, "w",
+       {"rank 1152921504606846976", "supported 8"}},
+      {"overflowing shape", window_head(1).tensor_head(true, "w", "F32", {1u << 31, 1u << 31, 1u << 31}).str(),
+       errc::invalid_record, "w", {"[2147483648, 2147483648, 2147483648]", "overflows"}},
+      {"values for a huge shape", window_head(1).tensor_head(true, "w", "F32", {1000000, 1000000}).u64(1000000000000).str(),
+       errc::invalid_record, "w", {"1000000000000 elements of 4 bytes", "'values'", "bytes left"}},
+      {"count that disagrees with the shape", window_head(1).tensor_head(true, "w", "F32", {2, 3}).u64(7).str(),
+       errc::invalid_record, "w", {"declares 7 values for shape [2, 3] of 6 elements"}},
+      {"values cut short", window_head(1).tensor_head(true, "w", "F32", {2, 3}).floats({1, 2}).str(),
+       errc::invalid_record, "w", {"declares 2 values for shape [2, 3]"}},
+  };
+  for (const forged& f : cases) {
+    CAPTURE(f.what);
+    const std::size_t largest =
+        largest_allocation_of([&] { check_refused(f.bytes, checkpoint_format::binary, f.code, f.param_id, {}); });
+    for (std::string_view phrase : f.phrases) {
+      try {
+        (void)parse_checkpoint<weighted_gradients_record>(f.bytes, checkpoint_format::binary);
+      } catch (const error& e) {
+        CHECK_MESSAGE(std::string(e.what()).find(phrase) != std::string::npos,
+                      "message \"" << e.what() << "\" lacks \"" << std::string(phrase) << "\"");
+      }
+    }
+    // Knowing the remaining input, nothing larger than it (plus the message) is allocated.
+    CHECK(largest <= f.bytes.size() + 1024);
+    // A plain archive does not know it: memory still grows only with what actually arrived.
+    const std::size_t plain = largest_allocation_of([&] {
+      CHECK_THROWS((void)test::load_plain<test::binary_archives, weighted_gradients_record>(f.bytes));
+    });
+    CHECK(plain <= 2 * f.bytes.size() + 8192);
+  }
+}
+
+TEST_CASE("a large valid checkpoint is read into one allocation of exactly its values") {
+  const weighted_gradients_record record = test::window::generation_record(5);
+  const std::string bytes = serialize_checkpoint(record, checkpoint_format::binary);
+  weighted_gradients_record loaded;
+  const std::size_t largest = largest_allocation_of(
+      [&] { loaded = parse_checkpoint<weighted_gradients_record>(bytes, checkpoint_format::binary); });
+  CHECK(largest == 1024 * 1024 * sizeof(float));
+  CHECK(test::window::is_intact_generation(loaded));
+}
+
+TEST_CASE("negative, fractional or NaN counters and scales are refused as invalid states") {
+  const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
+  const std::string xml = serialize_checkpoint(valid_window, checkpoint_format::xml);
+  const auto json_state = [&](std::string_view from, std::string_view to) { return replaced(json, from, to); };
+  const auto xml_state = [&](std::string_view from, std::string_view to) { return replaced(xml, from, to); };
+  const checkpoint_format as_json = checkpoint_format::json;
+  const checkpoint_format as_xml = checkpoint_format::xml;
+  const checkpoint_format as_binary = checkpoint_format::binary;
+
+  check_refused(json_state("\"microbatches\": 2", "\"microbatches\": -1"), as_json, errc::invalid_state, "",
+                {"'microbatches'", "non-negative integer"});
+  check_refused(json_state("\"microbatches\": 2", "\"microbatches\": 2.5"), as_json, errc::invalid_state, "",
+                {"'microbatches'", "non-negative integer"});
+  check_refused(json_state("\"microbatches\": 2", "\"microbatches\": 18446744073709551616"), as_json,
+                errc::invalid_state, "", {"'microbatches'"});
+  // cereal reads XML integers with std::stoull, which takes "-1" for 2^64 - 1; these loaders do not.
+  check_refused(xml_state("<microbatches>2<", "<microbatches>-1<"), as_xml, errc::invalid_state, "",
+                {"'microbatches'", "'-1' is not a non-negative integer"});
+  check_refused(json_state("\"total_weight\": 7.0", "\"total_weight\": NaN"), as_json, errc::invalid_state, "",
+                {"total weight"});
+  check_refused(xml_state("<total_weight>7<", "<total_weight>nan<"), as_xml, errc::invalid_state, "",
+                {"total weight"});
+  check_refused(json_state("\"total_weight\": 7.0", "\"total_weight\": -7.0"), as_json, errc::invalid_state, "",
+                {"total weight -7"});
+  check_refused(json_state("\"loss_scale\": 1024.0", "\"loss_scale\": -Infinity"), as_json, errc::invalid_state, "",
+                {"loss scale"});
+  check_refused(json_state("\"loss_scale\": 1024.0", "\"loss_scale\": \"big\""), as_json, errc::invalid_state, "",
+                {"'loss_scale'", "not a number"});
+  check_refused(json_state("\"microbatches\": 2", "\"microbatches\": 0"), as_json, errc::invalid_state, "",
+                {"no microbatches"});
+  check_refused(json_state("\"total_weight\": 7.0", "\"total_weight\": 0.0"), as_json, errc::invalid_state, "",
+                {"zero total weight but pending"});
+  for (double weight : {std::numeric_limits<double>::quiet_NaN(), -std::numeric_limits<double>::infinity(), -1.0}) {
+    CAPTURE(weight);
+    binary_bytes bytes;
+    bytes.u32(1).state("F32", 1.0, weight, 1).u32(1).u64(0);
+    check_refused(bytes.str(), as_binary, errc::invalid_state, "", {"total weight"});
+  }
+  binary_bytes zero_scale;
+  zero_scale.u32(1).state("F64", 0.0, 1.0, 1).u32(1).u64(0);
+  check_refused(zero_scale.str(), as_binary, errc::invalid_state, "", {"loss scale 0"});
+}
+
+TEST_CASE("dtype names are checked: unknown names, other cases, non-work dtypes in the state") {
+  const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
+  check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"F128\""), checkpoint_format::json,
+                errc::invalid_state, "", {"accumulation state", "unknown dtype name 'F128'"});
+  check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"f32\""), checkpoint_format::json,
+                errc::invalid_state, "", {"unknown dtype name 'f32'"});
+  check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"F16\""), checkpoint_format::json,
+                errc::invalid_state, "", {"work dtype F16", "only F32 and F64"});
+  check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"Q8\"", 1), checkpoint_format::json,
+                errc::invalid_record, "b", {"record tensor 'b'", "unknown dtype name 'Q8'"});
+  check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": 32", 2), checkpoint_format::json, errc::invalid_record,
+                "w", {"record tensor 'w'", "'dtype'", "not a string"});
+  // A tensor of another dtype than the state's (both F32 and F64 are known names).
+  check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"F64\"", 2), checkpoint_format::json,
+                errc::invalid_state, "w", {"'w' has dtype F64", "work dtype is F32"});
+  binary_bytes control;
+  control.u32(1).state(std::string_view("F\x01\xff", 3), 1.0, 1.0, 1).u32(1).u64(0);
+  check_refused(control.str(), checkpoint_format::binary, errc::invalid_state, "",
+                {"unknown dtype name 'F\\x01\\xff'"});
+}
+
+TEST_CASE("a record listing an id twice is refused, naming it") {
+  binary_bytes twice = window_head(2);
+  twice.tensor_head(true, "w", "F32", {1, 1}).floats({1}).tensor_head(false, "w", "F32", {1, 1}).floats({2});
+  check_refused(twice.str(), checkpoint_format::binary, errc::invalid_record, "w", {"lists tensor 'w' twice"});
+  const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
+  check_refused(replaced(json, "\"id\": \"w\"", "\"id\": \"b\""), checkpoint_format::json, errc::invalid_record, "b",
+                {"lists tensor 'b' twice"});
+}
+
+TEST_CASE("a format version other than this build's is refused for every record type") {
+  std::string binary = valid_window_bytes().str();
+  binary[0] = 2;  // the weighted record's version comes first
+  check_refused(binary, checkpoint_format::binary, errc::invalid_record, "",
+                {"weighted gradients record has format version 2", "reads version 1"});
+  const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
+  const char* types[] = {"weighted gradients record", "accumulation state", "gradients record", "tensor record"};
+  for (int occurrence = 0; occurrence < 4; ++occurrence) {
+    CAPTURE(types[occurrence]);
+    check_refused(replaced(json, "\"cereal_class_version\": 1", "\"cereal_class_version\": 0", occurrence),
+                  checkpoint_format::json, errc::invalid_record, "",
+                  {types[occurrence], "format version 0"});
+  }
+  const std::string xml = serialize_checkpoint(valid_window, checkpoint_format::xml);
+  check_refused(replaced(xml, "<cereal_class_version>1<", "<cereal_class_version>7<", 3), checkpoint_format::xml,
+                errc::invalid_record, "", {"tensor record has format version 7"});
+}
+
+TEST_CASE("values a text archive cannot hold for their dtype are refused") {
+  const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
+  check_refused(replaced(json, "-1.0", "1e300"), checkpoint_format::json, errc::invalid_record, "b",
+                {"record tensor 'b'", "beyond the range of F32"});
+  check_refused(replaced(json, "-1.0", "\"x\""), checkpoint_format::json, errc::invalid_record, "b",
+                {"record tensor 'b'", "not a number"});
+  const gradients_params_record half{{{"h", float_dtype::f16, {1, 1}, std::vector<std::uint16_t>{0x3c00}}}};
+  const std::string half_json = serialize_checkpoint(half, checkpoint_format::json);
+  try {
+    (void)parse_checkpoint<gradients_params_record>(replaced(half_json, "15360", "70000"), checkpoint_format::json);
+    FAIL("a 16-bit value of 70000 loaded");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::invalid_record);
+    CHECK(std::string(e.what()).find("70000, more than the largest allowed 65535") != std::string::npos);
+  }
+  const std::string half_xml = serialize_checkpoint(half, checkpoint_format::xml);
+  CHECK_THROWS_AS((void)parse_checkpoint<gradients_params_record>(replaced(half_xml, ">15360<", ">-4294901761<"),
+                                                                   checkpoint_format::xml),
+                  error);
+}
+
+TEST_CASE("documents nested deeper than any record are refused before a recursive parser sees them") {
+  constexpr std::size_t depth = 200000;
+  check_refused(std::string(depth, '[') + std::string(depth, ']'), checkpoint_format::json, errc::invalid_record, "",
+                {"nests deeper than 32"});
+  std::string xml = "<?xml version=\"1.0\"?><cereal>";
+  for (std::size_t i = 0; i < depth; ++i) xml += "<a x=\"/>\">";
+  check_refused(xml, checkpoint_format::xml, errc::invalid_record, "", {"nests elements deeper than 32"});
+  check_refused("{\"a\": [1, 2,]}", checkpoint_format::json, errc::invalid_record, "", {"not valid JSON", "byte 12"});
+  check_refused("", checkpoint_format::xml, errc::invalid_record, "", {"not a valid xml"});
+}
+
+TEST_CASE("bytes after a binary record, or a document without the record, are refused") {
+  check_refused(valid_window_bytes().u32(0).str(), checkpoint_format::binary, errc::invalid_record, "",
+                {"4 bytes after its record"});
+  check_refused("{\"weighted_gradients_record\": {\"cereal_class_version\": 1}}", checkpoint_format::json,
+                errc::invalid_state, "", {"'state'", "missing"});
+  check_refused("[1, 2]", checkpoint_format::json, errc::invalid_record, "", {"not a valid json"});
+}
