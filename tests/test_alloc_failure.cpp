@@ -190,4 +190,29 @@ TEST_CASE_TEMPLATE("an allocation failure in gradients_params::insert changes no
   }
 }
 
+TEST_CASE_TEMPLATE("building a parameter set or a microbatch's gradients allocates amortized O(1) per entry", B,
+                   GRADACCUM_TEST_BACKENDS) {
+  // Models have thousands of parameters: appending must not reallocate every container each time.
+  constexpr int entries = 2000;
+  std::vector<std::string> ids;  // short enough to be stored inline, so only containers allocate
+  for (int i = 0; i < entries; ++i) ids.push_back("p" + std::to_string(i));
+  std::vector<tensor_t<B, float>> tensors;
+  for (int i = 0; i < entries; ++i) tensors.push_back(filled<B, float>({1, 1}, 1));
+  const auto device = backend_fixture<B>::device();
+
+  parameter_set<B> params;
+  const std::size_t set_allocations = allocations_of([&] {
+    for (const std::string& id : ids) params.add(id, tensor_shape{1, 1}, device);
+  });
+  CHECK(params.size() == entries);
+  CHECK(set_allocations < 64);
+
+  gradients_params<B> grads;
+  const std::size_t grads_allocations = allocations_of([&] {
+    for (int i = 0; i < entries; ++i) grads.insert(ids[i], std::move(tensors[i]));
+  });
+  CHECK(grads.size() == entries);
+  CHECK(grads_allocations < 64);
+}
+
 TEST_SUITE_END();

@@ -269,7 +269,7 @@ class gradients_params {
   }
 
   void reserve(std::size_t count) {
-    entries_.reserve(count);
+    detail::reserve_geometric(entries_, count);
     index_.reserve(count, key_of());
   }
 

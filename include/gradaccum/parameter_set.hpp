@@ -83,7 +83,7 @@ class parameter_set {
       return *position;
     }
     parameter added{std::string(id), shape, device};
-    params_.reserve(params_.size() + 1);
+    detail::reserve_geometric(params_, params_.size() + 1);
     index_.reserve(params_.size() + 1, key_of());
     params_.push_back(std::move(added));  // cannot throw: capacity is reserved
     index_.insert(params_.size() - 1, params_.back().id);

@@ -5,6 +5,7 @@
 /// Unlike `std::unordered_map`, capacity is reserved up front and insertion never allocates,
 /// which is what lets the containers commit new entries with the strong guarantee.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -13,6 +14,13 @@
 #include <vector>
 
 namespace gradaccum::detail {
+
+/// Reserves room for `count` elements, growing geometrically: appending one element at a time
+/// with an exact `reserve(size() + 1)` would reallocate, and move every element, on each append.
+template <class T>
+void reserve_geometric(std::vector<T>& v, std::size_t count) {
+  if (count > v.capacity()) v.reserve(std::max(count, 2 * v.capacity()));
+}
 
 class id_index {
  public:
