@@ -6,6 +6,7 @@
 // accumulators, validation, error handling and checkpoint records all come from the library.
 #include <algorithm>
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <iostream>
 #include <numeric>
@@ -95,7 +96,7 @@ struct lab_backend {
 };
 static_assert(gradaccum::serializable_backend<lab_backend>);
 
-int main() {
+int main() try {
   using B = lab_backend;
   constexpr int gpu0 = 0;
   gradaccum::parameter_set<B> params;
@@ -129,4 +130,7 @@ int main() {
   std::cout << "fc.weight:";
   for (std::size_t i = 0; i < mean.size(); ++i) std::cout << ' ' << mean.data()[i];  // (1·2 + 3·6) / 4 = 5
   std::cout << '\n';
+} catch (const std::exception& e) {  // nothing above should throw, but say so if it does
+  std::cerr << e.what() << '\n';
+  return 1;
 }

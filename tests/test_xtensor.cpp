@@ -5,6 +5,7 @@
 //
 // Built twice: plainly, and with XTENSOR_USE_XSIMD against xtensor's 0.26+ header layout
 // (GRADACCUM_TEST_XSIMD_FOLDERED), so both configurations pass the same tests.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
@@ -86,8 +87,8 @@ TEST_CASE_TEMPLATE("16-bit gradients widen exactly, from tensors and from views"
   const std::vector<double> values = dtype_of<T> == float_dtype::f16
                                          ? std::vector<double>{1.0, -2.0, 0x1p-24, 65504.0}
                                          : std::vector<double>{1.0, -2.0, 0x1p-133, 0x1.fep127};
-  std::vector<T> bits;
-  for (double value : values) bits.push_back(to_element<T>(value));
+  std::vector<T> bits(values.size());
+  std::transform(values.begin(), values.end(), bits.begin(), to_element<T>);
 
   parameter_set<B> params;
   params.add("owned", xt::xarray<float>::from_shape({2, 2}));

@@ -160,7 +160,7 @@ struct xtensor_backend {
   }
 
  private:
-  static shape_type to_shape_type(const tensor_shape& s) { return shape_type(s.begin(), s.end()); }
+  static shape_type to_shape_type(const tensor_shape& s) { return {s.begin(), s.end()}; }
 };
 
 static_assert(serializable_backend<xtensor_backend>);
