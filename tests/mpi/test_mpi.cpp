@@ -25,6 +25,9 @@
 #ifdef GRADACCUM_TEST_HAVE_EIGEN
 #include <gradaccum/backends/eigen.hpp>
 #endif
+#ifdef GRADACCUM_TEST_HAVE_XTENSOR
+#include <gradaccum/backends/xtensor.hpp>
+#endif
 
 namespace {
 
@@ -47,6 +50,11 @@ static_assert(gradaccum::host_memory_backend<eigen_host_backend>);
 #define EIGEN_BACKENDS gradaccum::eigen_backend, eigen_host_backend,
 #else
 #define EIGEN_BACKENDS
+#endif
+#ifdef GRADACCUM_TEST_HAVE_XTENSOR
+#define XTENSOR_BACKENDS gradaccum::xtensor_backend,
+#else
+#define XTENSOR_BACKENDS
 #endif
 // The test-only backend has no `data`: its values travel through to_row_major / from_row_major.
 static_assert(!gradaccum::host_memory_backend<gradaccum::test::vector_backend>);
@@ -181,7 +189,7 @@ void check_ranks_still_agree(const gradaccum::parameter_set<B>& params) {
   GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(single_process_mean(params, float_dtype::f32)));
 }
 
-#define BACKENDS EIGEN_BACKENDS gradaccum::test::vector_backend
+#define BACKENDS EIGEN_BACKENDS XTENSOR_BACKENDS gradaccum::test::vector_backend
 
 }  // namespace
 
