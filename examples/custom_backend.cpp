@@ -22,8 +22,6 @@ namespace lab {
 template <class T>
 class ndarray {
  public:
-  // Only because gradaccum 0.1's checkpoint code default-constructs a tensor before assigning it.
-  ndarray() : ndarray({}, 0) {}
   ndarray(std::vector<std::size_t> dims, int device, T fill = T{0})
       : dims_(std::move(dims)),
         values_(std::accumulate(dims_.begin(), dims_.end(), std::size_t{1}, std::multiplies<>()), fill),

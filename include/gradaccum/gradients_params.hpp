@@ -327,12 +327,11 @@ class gradients_params {
   static tensor_record record_of(const std::string& id, const X& value) {
     using T = detail::element_of<B, X>;
     const tensor<T>* owned = nullptr;
-    tensor<T> copy;
+    std::optional<tensor<T>> copy;  // tensors need not be default-constructible
     if constexpr (std::is_same_v<std::remove_cvref_t<X>, tensor<T>>) {
       owned = &value;
     } else {
-      copy = B::template convert<T>(value);  // a view: copy it into an owned tensor first
-      owned = &copy;
+      owned = &copy.emplace(B::template convert<T>(value));  // a view: copy it into an owned tensor first
     }
     tensor_record record{id, dtype_of<T>, {}, {}};
     const tensor_shape shape = B::shape(*owned);
