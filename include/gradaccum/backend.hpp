@@ -28,8 +28,11 @@
 
 #include <concepts>
 #include <span>
+#include <string>
+#include <string_view>
 
 #include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
 #include "gradaccum/shape.hpp"
 #include "gradaccum/type_list.hpp"
 
@@ -115,6 +118,19 @@ concept serializable_backend =
     tensor_backend<B> && detail::all_row_major_io<B, typename B::element_types>::value;
 
 namespace detail {
+
+/// `B::shape(value)` for the tensor named `id`; a rank above `max_rank` is that tensor's
+/// `parameter_mismatch`, not a malformed record.
+template <class B, class X>
+tensor_shape shape_of(const X& value, std::string_view id) {
+  try {
+    return B::shape(value);
+  } catch (const error& problem) {
+    if (problem.code() != errc::invalid_record) throw;
+    fail(errc::parameter_mismatch, "tensor '" + std::string(id) + "' cannot be used: " + problem.what(),
+         std::string(id));
+  }
+}
 
 /// Explains, one requirement at a time, why `B` is not a `tensor_backend`: concept failures
 /// alone print pages of template context, these name the missing piece and its signature.

@@ -41,7 +41,7 @@ std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X
   const auto position = params.find(id, hint);
   if (!position) fail_unknown<B>(id);
   const auto& param = params[*position];
-  const tensor_shape shape = B::shape(value);
+  const tensor_shape shape = shape_of<B>(value, id);
   if (shape != param.shape) {
     fail(errc::parameter_mismatch,
          "gradient '" + std::string(id) + "' has shape " + shape.to_string() + " but its parameter has shape " +

@@ -63,7 +63,7 @@ class parameter_set {
   template <class X>
     requires detail::is_gradient_alternative<B, X>
   std::size_t add(std::string_view id, const X& tensor) {
-    return add(id, B::shape(tensor), B::device(tensor));
+    return add(id, detail::shape_of<B>(tensor, id), B::device(tensor));
   }
 
   /// @brief Adds the parameter `id` with explicit geometry; same rules as above.

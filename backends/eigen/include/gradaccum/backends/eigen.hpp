@@ -49,7 +49,7 @@ struct eigen_backend {
   using view = Eigen::Map<const tensor<T>>;
 
   template <class X>
-  static tensor_shape shape(const X& x) noexcept {
+  static tensor_shape shape(const X& x) {
     return {static_cast<std::size_t>(x.rows()), static_cast<std::size_t>(x.cols())};
   }
 
