@@ -295,7 +295,8 @@ TEST_CASE("absurd counts, lengths and shapes are refused before anything of thei
        {"rank 1152921504606846976", "supported 8"}},
       {"overflowing shape", window_head(1).tensor_head(true, "w", "F32", {1u << 31, 1u << 31, 1u << 31}).str(),
        errc::invalid_record, "w", {"[2147483648, 2147483648, 2147483648]", "overflows"}},
-      {"values for a huge shape", window_head(1).tensor_head(true, "w", "F32", {1000000, 1000000}).u64(1000000000000).str(),
+      {"values for a huge shape",
+       window_head(1).tensor_head(true, "w", "F32", {1000000, 1000000}).u64(1000000000000).str(),
        errc::invalid_record, "w", {"1000000000000 elements of 4 bytes", "'values'", "bytes left"}},
       {"count that disagrees with the shape", window_head(1).tensor_head(true, "w", "F32", {2, 3}).u64(7).str(),
        errc::invalid_record, "w", {"declares 7 values for shape [2, 3] of 6 elements"}},
@@ -446,7 +447,8 @@ TEST_CASE("values a text archive cannot hold for their dtype are refused") {
                   error);
 }
 
-TEST_CASE("documents nested deeper than any record are refused before a recursive parser sees them") {
+TEST_CASE("documents cereal's parsers mishandle are refused before they see them") {
+  // Nesting deeper than any record: cereal's JSON and XML parsers recurse once per level.
   constexpr std::size_t depth = 200000;
   check_refused(std::string(depth, '[') + std::string(depth, ']'), checkpoint_format::json, errc::invalid_record, "",
                 {"nests deeper than 32"});
@@ -455,6 +457,18 @@ TEST_CASE("documents nested deeper than any record are refused before a recursiv
   check_refused(xml, checkpoint_format::xml, errc::invalid_record, "", {"nests elements deeper than 32"});
   check_refused("{\"a\": [1, 2,]}", checkpoint_format::json, errc::invalid_record, "", {"not valid JSON", "byte 12"});
   check_refused("", checkpoint_format::xml, errc::invalid_record, "", {"not a valid xml"});
+  // An XML root without a record: cereal 1.3's XML archive dereferences a null node for it.
+  check_refused("<?xml version=\"1.0\"?>\n<cereal>\n</cereal>\n", checkpoint_format::xml, errc::invalid_record, "",
+                {"holds no record"});
+  // Numbers RapidJSON 1.1's full-precision conversion misreads (it calls clz(0)).
+  const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
+  check_refused(replaced(json, "7.0", "0e-300"), checkpoint_format::json, errc::invalid_record, "",
+                {"'0e-300'", "misreads"});
+  check_refused(replaced(json, "-1.0", "184467440737095516156"), checkpoint_format::json, errc::invalid_record, "",
+                {"'184467440737095516156'", "at most 20 digits"});
+  const std::string twenty_digits = replaced(json, "-1.0", "-1.0000000000000000000");
+  GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(twenty_digits, checkpoint_format::json),
+                            valid_window);
 }
 
 TEST_CASE("bytes after a binary record, or a document without the record, are refused") {
@@ -462,5 +476,6 @@ TEST_CASE("bytes after a binary record, or a document without the record, are re
                 {"4 bytes after its record"});
   check_refused("{\"weighted_gradients_record\": {\"cereal_class_version\": 1}}", checkpoint_format::json,
                 errc::invalid_state, "", {"'state'", "missing"});
-  check_refused("[1, 2]", checkpoint_format::json, errc::invalid_record, "", {"not a valid json"});
+  check_refused("[1, 2]", checkpoint_format::json, errc::invalid_record, "", {"holds no record"});
+  check_refused("{\"value0\": 5}", checkpoint_format::json, errc::invalid_record, "", {"not a valid json"});
 }

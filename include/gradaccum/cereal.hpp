@@ -32,11 +32,12 @@
 /// has been read — or at once when the archive knows how many bytes remain and they suffice
 /// (the archives of `<gradaccum/checkpoint.hpp>` do).
 ///
-/// Two failures happen inside cereal before these functions run and reach a plain
-/// `archive(record)` as `cereal::Exception`: a JSON or XML document that does not parse, and an
-/// input too short to hold the outermost record's version. `parse_checkpoint` and
-/// `load_checkpoint` wrap those too, and also bound the nesting depth of JSON and XML documents,
-/// which cereal's parsers recurse on.
+/// Some failures happen inside cereal before these functions run, so a plain `archive(record)`
+/// of untrusted bytes also needs what `parse_checkpoint` and `load_checkpoint` add: they turn
+/// the `cereal::Exception` of a JSON or XML document that does not parse, or of an input too
+/// short for the outermost record's version, into `gradaccum::error`; they bound the nesting
+/// depth of JSON and XML documents, which cereal's parsers recurse on; and they refuse an XML
+/// document without a record, which cereal's XML archive (1.3) dereferences a null node for.
 
 #include <algorithm>
 #include <charconv>

@@ -23,6 +23,7 @@
 /// Problems with the file itself (missing, unreadable, disk full, unknown extension) throw
 /// `std::filesystem::filesystem_error` naming the path.
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
@@ -178,10 +179,15 @@ namespace json_parser = CEREAL_RAPIDJSON_NAMESPACE;
 namespace json_parser = RAPIDJSON_NAMESPACE;
 #endif
 
-/// Counts nesting while a non-recursive parser checks the syntax.
-struct json_depth_limit : json_parser::BaseReaderHandler<json_parser::UTF8<>, json_depth_limit> {
+/// While a non-recursive parser checks the syntax (numbers as text), counts nesting and looks
+/// for numbers RapidJSON 1.1 cannot read: its full-precision conversion, which cereal's parse
+/// uses, calls clz(0) and reads garbage for a zero mantissa with an exponent ("0e-300") and for
+/// mantissas of more than 20 digits that round up past 2^64 - 1. Nothing cereal writes has
+/// either (doubles take 17 digits, 64-bit integers 20).
+struct json_document_check : json_parser::BaseReaderHandler<json_parser::UTF8<>, json_document_check> {
   std::size_t depth = 0;
   bool too_deep = false;
+  std::string misread_number;
 
   bool enter() noexcept {
     too_deep = ++depth > max_document_depth;
@@ -191,6 +197,17 @@ struct json_depth_limit : json_parser::BaseReaderHandler<json_parser::UTF8<>, js
   bool StartArray() noexcept { return enter(); }
   bool EndObject(json_parser::SizeType /*members*/) noexcept { return --depth, true; }
   bool EndArray(json_parser::SizeType /*elements*/) noexcept { return --depth, true; }
+  bool RawNumber(const char* text, json_parser::SizeType length, bool /*copy*/) {
+    const std::string_view number(text, length);
+    const std::size_t exponent = number.find_first_of("eE");
+    const std::string_view mantissa = number.substr(0, exponent);
+    const auto digits = std::count_if(mantissa.begin(), mantissa.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const bool zero_with_exponent =
+        exponent != std::string_view::npos && mantissa.find_first_not_of("-0.") == std::string_view::npos;
+    if (digits <= 20 && !zero_with_exponent) return true;
+    misread_number = number;
+    return false;
+  }
 };
 
 /// Deepest element nesting of an XML document, counted the way rapidxml reads tags; stops
@@ -262,13 +279,18 @@ inline void check_text_document(std::string_view bytes, checkpoint_format format
     void Put(Ch /*c*/) noexcept {}
     std::size_t PutEnd(Ch* /*begin*/) noexcept { return 0; }
   } stream{bytes};
-  json_depth_limit handler;
+  json_document_check handler;
   json_parser::Reader reader;
   constexpr unsigned flags =
-      json_parser::kParseIterativeFlag | json_parser::kParseFullPrecisionFlag | json_parser::kParseNanAndInfFlag;
+      json_parser::kParseIterativeFlag | json_parser::kParseNumbersAsStringsFlag | json_parser::kParseNanAndInfFlag;
   const json_parser::ParseResult result = reader.Parse<flags>(stream, handler);
   if (handler.too_deep) {
     fail(errc::invalid_record, "checkpoint JSON nests deeper than " + std::to_string(max_document_depth) + " levels.");
+  }
+  if (!handler.misread_number.empty()) {
+    fail(errc::invalid_record, "checkpoint JSON holds the number " + quote(handler.misread_number) +
+                                   ", which its JSON parser (RapidJSON 1.1) misreads: checkpoint numbers have at "
+                                   "most 20 digits, and zero is written 0.0.");
   }
   if (result.IsError()) {
     fail(errc::invalid_record, "checkpoint is not valid JSON: " +
@@ -305,6 +327,10 @@ R read_record(sized_streambuf& source, checkpoint_format format) {
   try {
     visit_format(format, [&]<class Archives>() {
       sized_input_archive<typename Archives::input> archive(source);
+      // cereal's XML archive dereferences a null node when asked for a record it does not hold.
+      if constexpr (requires { archive.getNodeName(); }) {
+        if (archive.getNodeName() == nullptr) fail(errc::invalid_record, "checkpoint holds no record.");
+      }
       archive(record);
     });
   } catch (const cereal::Exception& e) {

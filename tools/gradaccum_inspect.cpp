@@ -1,0 +1,167 @@
+/// @file
+/// @brief gradaccum-inspect: prints what a checkpoint file holds.
+///
+///     gradaccum-inspect FILE [--format binary|portable_binary|json|xml] [--record auto|weighted|gradients]
+///
+/// Prints the format, the record type and its format version, the accumulation state, and for
+/// every tensor its id, dtype, shape, smallest and largest finite value and number of
+/// non-finite values (NaN, ±inf: a window that overflowed). The file is loaded by the same
+/// hardened loader as `load_checkpoint`, so a damaged file gets the same named error. Exit
+/// status: 0, 1 when the file cannot be read or is refused, CLI11's codes for a bad command line.
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include <gradaccum/checkpoint.hpp>
+#include <gradaccum/kernels.hpp>
+
+using namespace gradaccum;
+
+namespace {
+
+/// Shortest text that reads back as `value`.
+template <class T>
+std::string number(T value) {
+  char text[64];
+  const auto end = std::to_chars(text, text + sizeof text, value).ptr;
+  return {text, end};
+}
+
+/// A value of a record as a double (16-bit values widened from their bit patterns).
+double widened(float_dtype dtype, std::uint16_t bits) {
+  return dtype == float_dtype::f16 ? kernels::f16_bits_to_float(bits) : kernels::bf16_bits_to_float(bits);
+}
+
+struct tensor_summary {
+  std::string id;
+  std::string dtype;
+  std::string shape;
+  std::string min = "-";
+  std::string max = "-";
+  std::size_t elements = 0;
+  std::size_t non_finite = 0;
+};
+
+tensor_summary summarize(const tensor_record& tensor) {
+  tensor_summary summary{tensor.id, std::string(to_string(tensor.dtype)), detail::record_shape(tensor).to_string()};
+  std::visit(
+      [&](const auto& values) {
+        std::optional<double> low;
+        std::optional<double> high;
+        for (const auto& stored : values) {
+          double value = 0.0;
+          if constexpr (std::is_same_v<std::decay_t<decltype(stored)>, std::uint16_t>) {
+            value = widened(tensor.dtype, stored);
+          } else {
+            value = static_cast<double>(stored);
+          }
+          if (!std::isfinite(value)) {
+            ++summary.non_finite;
+            continue;
+          }
+          low = low ? std::min(*low, value) : value;
+          high = high ? std::max(*high, value) : value;
+        }
+        summary.elements = values.size();
+        if (low) summary.min = number(*low);
+        if (high) summary.max = number(*high);
+      },
+      tensor.values);
+  return summary;
+}
+
+void print_tensors(const gradients_params_record& record) {
+  std::vector<tensor_summary> rows = {{"id", "dtype", "shape", "min", "max", 0, 0}};
+  std::size_t elements = 0;
+  std::size_t non_finite = 0;
+  for (const tensor_record& tensor : record.tensors) {
+    rows.push_back(summarize(tensor));
+    elements += rows.back().elements;
+    non_finite += rows.back().non_finite;
+  }
+  std::size_t widths[5] = {};
+  for (const tensor_summary& row : rows) {
+    const std::string* cells[5] = {&row.id, &row.dtype, &row.shape, &row.min, &row.max};
+    for (std::size_t c = 0; c < 5; ++c) widths[c] = std::max(widths[c], cells[c]->size());
+  }
+  std::printf("tensors: %zu, %zu values, %zu non-finite\n", record.tensors.size(), elements, non_finite);
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    const tensor_summary& row = rows[r];
+    const std::string last = r == 0 ? "non-finite" : std::to_string(row.non_finite);
+    std::printf("  %-*s  %-*s  %-*s  %*s  %*s  %s\n", static_cast<int>(widths[0]), row.id.c_str(),
+                static_cast<int>(widths[1]), row.dtype.c_str(), static_cast<int>(widths[2]), row.shape.c_str(),
+                static_cast<int>(widths[3]), row.min.c_str(), static_cast<int>(widths[4]), row.max.c_str(),
+                last.c_str());
+  }
+}
+
+void print_state(const weighted_accumulation_state& state) {
+  std::printf("state: dtype %s, loss_scale %s, total_weight %s, microbatches %llu\n",
+              std::string(to_string(state.dtype)).c_str(), number(state.loss_scale).c_str(),
+              number(state.total_weight).c_str(), static_cast<unsigned long long>(state.microbatches));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Prints what a gradaccum checkpoint file holds: format, record, state and per-tensor statistics."};
+  std::filesystem::path path;
+  std::string format_name;
+  std::string record_kind = "auto";
+  app.add_option("file", path, "checkpoint file")->required();
+  app.add_option("-f,--format", format_name, "format, if the extension (.bin .pbin .json .xml) does not tell")
+      ->check(CLI::IsMember({"binary", "portable_binary", "json", "xml"}));
+  app.add_option("-r,--record", record_kind,
+                 "record the file holds: a weighted window, a plain accumulator's gradients, or auto (try both)")
+      ->check(CLI::IsMember({"auto", "weighted", "gradients"}));
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    const std::optional<checkpoint_format> given = parse_checkpoint_format(format_name);
+    const checkpoint_format format = given ? *given : checkpoint_format_for(path);
+    std::printf("file: %s\nformat: %s (%s)\n", path.c_str(), std::string(to_string(format)).c_str(),
+                given ? "given" : "from the extension");
+    const auto print_record_line = [](const char* type) {
+      std::printf("record: %s, format version %u\n", type, static_cast<unsigned>(record_format_version));
+    };
+    if (record_kind != "gradients") {
+      try {
+        const auto record = load_checkpoint<weighted_gradients_record>(path, format);
+        print_record_line("weighted_gradients_record");
+        print_state(record.state);
+        print_tensors(record.gradients);
+        return 0;
+      } catch (const error&) {
+        if (record_kind == "weighted") throw;
+        // auto: a plain accumulator's checkpoint holds a gradients record; if that fails too,
+        // the weighted record's error is the one reported.
+        try {
+          const auto record = load_checkpoint<gradients_params_record>(path, format);
+          print_record_line("gradients_params_record");
+          print_tensors(record);
+          return 0;
+        } catch (const error&) {
+        }
+        throw;
+      }
+    }
+    const auto record = load_checkpoint<gradients_params_record>(path, format);
+    print_record_line("gradients_params_record");
+    print_tensors(record);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gradaccum-inspect: %s\n", e.what());
+    return 1;
+  }
+}
