@@ -8,8 +8,7 @@
 int main() {
   constexpr std::string_view header_version = GRADACCUM_VERSION_STRING;
   constexpr std::string_view project_version = GRADACCUM_EXPECTED_VERSION_STRING;
-  const bool agree = header_version == project_version &&
-                     GRADACCUM_VERSION_MAJOR == GRADACCUM_EXPECTED_VERSION_MAJOR &&
+  const bool agree = header_version == project_version && GRADACCUM_VERSION_MAJOR == GRADACCUM_EXPECTED_VERSION_MAJOR &&
                      GRADACCUM_VERSION_MINOR == GRADACCUM_EXPECTED_VERSION_MINOR &&
                      GRADACCUM_VERSION_PATCH == GRADACCUM_EXPECTED_VERSION_PATCH &&
                      GRADACCUM_VERSION == GRADACCUM_EXPECTED_VERSION_MAJOR * 10000 +
