@@ -47,6 +47,7 @@
 #include <istream>
 #include <limits>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <streambuf>
 #include <string>

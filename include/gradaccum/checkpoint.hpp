@@ -9,7 +9,8 @@
 ///   any moment leaves either the previous checkpoint or the new one at `path`, never a torn
 ///   file (a stale `.<name>.tmp.*` file may remain beside it and can be deleted).
 /// - `save_checkpoint_async(path, accumulator[, format])` snapshots the accumulator (one copy of
-///   the pending values on the calling thread) and writes on another thread.
+///   the pending values on the calling thread) and writes on another thread. Saves to one path
+///   land in the order they finish: wait for one before starting the next if order matters.
 /// - `load_checkpoint<Record>(path[, format])` and `load_checkpoint(path, params, accumulator
 ///   [, format])` read untrusted bytes: every problem with the content throws `gradaccum::error`
 ///   (`errc::invalid_record` or `errc::invalid_state`) naming the problem and the path; nothing
