@@ -46,32 +46,73 @@ void* allocate_aligned(std::size_t size, std::align_val_t alignment) {
 
 }  // namespace
 
+// The names the linker's --wrap=malloc gives the wrapper and the original.
+// NOLINTBEGIN(bugprone-reserved-identifier)
 extern "C" {
 void* __real_malloc(std::size_t size);
 void* __wrap_malloc(std::size_t size);
-void* __wrap_malloc(std::size_t size) { return allocation_allowed() ? __real_malloc(size) : nullptr; }
+void* __wrap_malloc(std::size_t size) {
+  return allocation_allowed() ? __real_malloc(size) : nullptr;
 }
+}
+// NOLINTEND(bugprone-reserved-identifier)
 
-void* operator new(std::size_t size) { return allocate(size); }
-void* operator new[](std::size_t size) { return allocate(size); }
-void* operator new(std::size_t size, const std::nothrow_t&) noexcept { return std::malloc(size == 0 ? 1 : size); }
-void* operator new[](std::size_t size, const std::nothrow_t&) noexcept { return std::malloc(size == 0 ? 1 : size); }
-void* operator new(std::size_t size, std::align_val_t alignment) { return allocate_aligned(size, alignment); }
-void* operator new[](std::size_t size, std::align_val_t alignment) { return allocate_aligned(size, alignment); }
-void operator delete(void* memory) noexcept { std::free(memory); }
-void operator delete[](void* memory) noexcept { std::free(memory); }
-void operator delete(void* memory, std::size_t) noexcept { std::free(memory); }
-void operator delete[](void* memory, std::size_t) noexcept { std::free(memory); }
-void operator delete(void* memory, std::align_val_t) noexcept { std::free(memory); }
-void operator delete[](void* memory, std::align_val_t) noexcept { std::free(memory); }
-void operator delete(void* memory, std::size_t, std::align_val_t) noexcept { std::free(memory); }
-void operator delete[](void* memory, std::size_t, std::align_val_t) noexcept { std::free(memory); }
+void* operator new(std::size_t size) {
+  return allocate(size);
+}
+void* operator new[](std::size_t size) {
+  return allocate(size);
+}
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
+  return std::malloc(size == 0 ? 1 : size);
+}
+void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
+  return std::malloc(size == 0 ? 1 : size);
+}
+void* operator new(std::size_t size, std::align_val_t alignment) {
+  return allocate_aligned(size, alignment);
+}
+void* operator new[](std::size_t size, std::align_val_t alignment) {
+  return allocate_aligned(size, alignment);
+}
+void operator delete(void* memory) noexcept {
+  std::free(memory);
+}
+void operator delete[](void* memory) noexcept {
+  std::free(memory);
+}
+void operator delete(void* memory, std::size_t) noexcept {
+  std::free(memory);
+}
+void operator delete[](void* memory, std::size_t) noexcept {
+  std::free(memory);
+}
+void operator delete(void* memory, std::align_val_t) noexcept {
+  std::free(memory);
+}
+void operator delete[](void* memory, std::align_val_t) noexcept {
+  std::free(memory);
+}
+void operator delete(void* memory, std::size_t, std::align_val_t) noexcept {
+  std::free(memory);
+}
+void operator delete[](void* memory, std::size_t, std::align_val_t) noexcept {
+  std::free(memory);
+}
 
 namespace gradaccum::test {
 
-allocation_probe::allocation_probe(std::size_t fail_at) noexcept { probe = {true, false, 0, fail_at}; }
-allocation_probe::~allocation_probe() { probe.armed = false; }
-std::size_t allocation_probe::count() const noexcept { return probe.count; }
-bool allocation_probe::failed() const noexcept { return probe.failed; }
+allocation_probe::allocation_probe(std::size_t fail_at) noexcept {
+  probe = {true, false, 0, fail_at};
+}
+allocation_probe::~allocation_probe() {
+  probe.armed = false;
+}
+std::size_t allocation_probe::count() const noexcept {
+  return probe.count;
+}
+bool allocation_probe::failed() const noexcept {
+  return probe.failed;
+}
 
 }  // namespace gradaccum::test

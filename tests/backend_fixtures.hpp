@@ -11,8 +11,8 @@
 #include <initializer_list>
 #include <optional>
 #include <span>
-#include <type_traits>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -119,6 +119,19 @@ void for_each_16bit_type(F&& body) {
   using bf16_type = element_t<B, float_dtype::bf16>;
   if constexpr (!std::is_void_v<f16_type>) body.template operator()<f16_type>();
   if constexpr (!std::is_void_v<bf16_type>) body.template operator()<bf16_type>();
+}
+
+/// @brief {factor · 1, factor · 2, ...}: row-major values, one per element of `shape`.
+inline std::vector<double> multiples(const tensor_shape& shape, double factor) {
+  std::vector<double> values(*shape.checked_element_count());
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = factor * static_cast<double>(i + 1);
+  return values;
+}
+
+/// @brief `values` converted to element type W (exactly, for the small values tests use).
+template <class W>
+std::vector<W> as(const std::vector<double>& values) {
+  return {values.begin(), values.end()};
 }
 
 /// @brief A tensor of B with `shape` and the given row-major values (converted by `to_element`).

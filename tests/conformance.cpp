@@ -36,18 +36,6 @@ constexpr std::uint64_t max_microbatches = std::numeric_limits<std::uint64_t>::m
 const tensor_shape shape_a{2, 3};
 const tensor_shape shape_b{3, 2};
 
-/// {factor · 1, factor · 2, ...}: one value per element of `shape`.
-std::vector<double> multiples(const tensor_shape& shape, double factor) {
-  std::vector<double> values(*shape.checked_element_count());
-  for (std::size_t i = 0; i < values.size(); ++i) values[i] = factor * static_cast<double>(i + 1);
-  return values;
-}
-
-template <class W>
-std::vector<W> as(const std::vector<double>& values) {
-  return {values.begin(), values.end()};
-}
-
 /// A microbatch's gradients with one entry: `id` → T tensor of `shape` holding `values`.
 template <class B, class T = float>
 gradients_params<B> gradient(std::string_view id, const tensor_shape& shape, const std::vector<double>& values,
@@ -360,7 +348,8 @@ TEST_CASE_TEMPLATE("a rejected microbatch changes neither values nor counters", 
       };
       const auto good = gradient<B>("a", shape_a, multiples(shape_a, 1));
 
-      for (const double weight : {-1.0, -0x1p-1074, not_a_number, infinity, -infinity}) rejects(good, weight, errc::invalid_weight, "");
+      for (const double weight : {-1.0, -0x1p-1074, not_a_number, infinity, -infinity})
+        rejects(good, weight, errc::invalid_weight, "");
       if constexpr (dtype == float_dtype::f32) {
         rejects(good, 0x1p128, errc::invalid_weight, "");   // infinite as a float
         rejects(good, 0x1p-150, errc::invalid_weight, "");  // narrows to 0 as a float
@@ -586,7 +575,8 @@ TEST_CASE_TEMPLATE("load_record restores values and counters; a resumed window e
     const weighted_gradients_record checkpoint = uninterrupted.try_to_record();
 
     // A different dtype and loss scale: the record's win.
-    weighted_gradients_accumulator<B> resumed(dtype_of<W> == float_dtype::f32 ? float_dtype::f64 : float_dtype::f32, 3.0);
+    weighted_gradients_accumulator<B> resumed(dtype_of<W> == float_dtype::f32 ? float_dtype::f64 : float_dtype::f32,
+                                              3.0);
     resumed.accumulate_sum(params, gradient<B>("b", shape_b, multiples(shape_b, 1)), 1);  // discarded by the load
     resumed.load_record(params, checkpoint);
     CHECK(resumed.state() == checkpoint.state);
@@ -670,7 +660,9 @@ TEST_CASE_TEMPLATE("load_record refuses an inconsistent record and leaves the ac
             "a");
     rejects(changed([](R& r) { r.gradients.tensors[1].shape = std::vector<std::uint64_t>(max_rank + 1, 1); }),
             errc::invalid_record, "b");
-    rejects(changed([](R& r) { r.gradients.tensors[1].shape = {std::uint64_t{1} << 32, std::uint64_t{1} << 32}; }),
+    rejects(changed([](R& r) {
+              r.gradients.tensors[1].shape = {std::uint64_t{1} << 32, std::uint64_t{1} << 32};
+            }),
             errc::invalid_record, "b");
     rejects(changed([](R& r) { r.gradients.tensors.push_back(r.gradients.tensors[0]); }), errc::invalid_record, "a");
   }
@@ -689,8 +681,8 @@ TEST_CASE_TEMPLATE("from_accumulator reattaches a saved state to restored sums, 
   const auto sums_before = sums.try_to_record();
   const auto rejects = [&](const parameter_set<B>& against, const weighted_accumulation_state& state, errc code,
                            std::string_view id) {
-    GRADACCUM_CHECK_REJECTED(weighted_gradients_accumulator<B>::from_accumulator(against, std::move(sums), state),
-                             code, id);
+    GRADACCUM_CHECK_REJECTED(weighted_gradients_accumulator<B>::from_accumulator(against, std::move(sums), state), code,
+                             id);
     GRADACCUM_CHECK_SAME_BITS(sums.try_to_record(), sums_before);  // moved from only on success
   };
   const auto with = [&](auto&& change) {
@@ -711,7 +703,8 @@ TEST_CASE_TEMPLATE("from_accumulator reattaches a saved state to restored sums, 
 
   auto restored = weighted_gradients_accumulator<B>::from_accumulator(params, std::move(sums), checkpoint.state);
   GRADACCUM_CHECK_SAME_BITS(restored.try_to_record(), checkpoint);
-  for (auto* acc : {&source, &restored}) acc->accumulate_sum(params, gradient<B>("a", shape_a, multiples(shape_a, 3)), 1);
+  for (auto* acc : {&source, &restored})
+    acc->accumulate_sum(params, gradient<B>("a", shape_a, multiples(shape_a, 3)), 1);
   GRADACCUM_CHECK_SAME_BITS(restored.finish_mean(params).gradients.to_record(),
                             source.finish_mean(params).gradients.to_record());
 }
@@ -743,9 +736,9 @@ TEST_CASE_TEMPLATE("gradients_accumulator sums in a work dtype", B, GRADACCUM_TE
     CHECK(acc.pending().dtype("a") == std::optional(float_dtype::f64));
     CHECK(values_of<double>(acc.pending(), "a") == std::vector<double>{1 + 0x1p-23, 1, 1, 1, 1, 1});
     const auto before = acc.try_to_record();
-    GRADACCUM_CHECK_REJECTED(acc.accumulate_with_dtype(params, gradient<B>("a", shape_a, multiples(shape_a, 1)),
-                                                       float_dtype::f16),
-                             errc::invalid_dtype, "");
+    GRADACCUM_CHECK_REJECTED(
+        acc.accumulate_with_dtype(params, gradient<B>("a", shape_a, multiples(shape_a, 1)), float_dtype::f16),
+        errc::invalid_dtype, "");
     GRADACCUM_CHECK_SAME_BITS(acc.try_to_record(), before);
   }
   SUBCASE("accumulate_scaled multiplies after conversion and refuses unusable multipliers") {
@@ -754,9 +747,9 @@ TEST_CASE_TEMPLATE("gradients_accumulator sums in a work dtype", B, GRADACCUM_TE
     const auto before = acc.try_to_record();
     for (const double multiplier : {not_a_number, infinity, 0x1p128, 0x1p-150}) {
       CAPTURE(multiplier);
-      GRADACCUM_CHECK_REJECTED(acc.accumulate_scaled(params, gradient<B>("a", shape_a, multiples(shape_a, 1)),
-                                                     multiplier, float_dtype::f32),
-                               errc::invalid_scalar, "");
+      GRADACCUM_CHECK_REJECTED(
+          acc.accumulate_scaled(params, gradient<B>("a", shape_a, multiples(shape_a, 1)), multiplier, float_dtype::f32),
+          errc::invalid_scalar, "");
       GRADACCUM_CHECK_SAME_BITS(acc.try_to_record(), before);
     }
   }
@@ -774,8 +767,7 @@ TEST_CASE_TEMPLATE("gradients_accumulator sums in a work dtype", B, GRADACCUM_TE
 // ---------------------------------------------------------------------------------------------
 // Views
 
-TEST_CASE_TEMPLATE("gradients viewed in caller memory accumulate exactly like owned ones", B,
-                   GRADACCUM_TEST_BACKENDS) {
+TEST_CASE_TEMPLATE("gradients viewed in caller memory accumulate exactly like owned ones", B, GRADACCUM_TEST_BACKENDS) {
   if constexpr (detail::has_views<B>) {
     const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
     const auto a = make_tensor<B, float>(shape_a, {0.1, 0.2, 0.3, 0.4, 0.5, 0.6});
@@ -824,8 +816,8 @@ struct mixed_window {
 /// Element type of each input of `mixed_window`: a F32, F16 (F32 without one), F64 for b and then F32.
 template <class B, class F>
 void feed(const mixed_window& window, F&& add) {
-  using f16_or_f32 = std::conditional_t<std::is_void_v<element_t<B, float_dtype::f16>>, float,
-                                        element_t<B, float_dtype::f16>>;
+  using f16_or_f32 =
+      std::conditional_t<std::is_void_v<element_t<B, float_dtype::f16>>, float, element_t<B, float_dtype::f16>>;
   for (std::size_t i = 0; i < window.microbatches.size(); ++i) {
     const auto& mb = window.microbatches[i];
     gradients_params<B> grads;

@@ -25,13 +25,11 @@ using namespace gradaccum::test;
 const tensor_shape shape_a{2, 3};
 const tensor_shape shape_b{3, 2};
 
-std::vector<double> ramp(double first) { return {first, first + 1, first + 2, first + 3, first + 4, first + 5}; }
-
 template <class B, class T = float>
-gradients_params<B> gradients_ab(double first) {
+gradients_params<B> gradients_ab(double factor) {
   gradients_params<B> grads;
-  grads.insert("a", make_tensor<B, T>(shape_a, ramp(first)));
-  grads.insert("b", make_tensor<B, T>(shape_b, ramp(-first)));
+  grads.insert("a", make_tensor<B, T>(shape_a, multiples(shape_a, factor)));
+  grads.insert("b", make_tensor<B, T>(shape_b, multiples(shape_b, -factor)));
   return grads;
 }
 
@@ -60,8 +58,8 @@ TEST_CASE_TEMPLATE("accumulating allocates nothing once every parameter has its 
     ++microbatches;
   });
   if constexpr (detail::has_views<B>) {
-    const auto a = make_tensor<B, float>(shape_a, ramp(1));
-    const auto b = make_tensor<B, double>(shape_b, ramp(1));
+    const auto a = make_tensor<B, float>(shape_a, multiples(shape_a, 1));
+    const auto b = make_tensor<B, double>(shape_b, multiples(shape_b, 1));
     gradients_params<B> viewed;
     viewed.insert("a", backend_fixture<B>::view_of(a));
     viewed.insert("b", backend_fixture<B>::view_of(b));
@@ -76,8 +74,7 @@ TEST_CASE_TEMPLATE("accumulating allocates nothing once every parameter has its 
   CHECK(allocations_of([&] { plain.accumulate_with_dtype(params, owned, float_dtype::f64); }) == 0);
 }
 
-TEST_CASE_TEMPLATE("an allocation failure in accumulate_sum leaves the window as it was", B,
-                   GRADACCUM_TEST_BACKENDS) {
+TEST_CASE_TEMPLATE("an allocation failure in accumulate_sum leaves the window as it was", B, GRADACCUM_TEST_BACKENDS) {
   const auto params = parameters_ab<B>();
   weighted_gradients_accumulator<B> acc(float_dtype::f64, 2.0);
   const auto grads = gradients_ab<B>(1);
@@ -112,7 +109,7 @@ TEST_CASE_TEMPLATE("an allocation failure while converting pending sums to anoth
   acc.accumulate(params, gradients_ab<B>(0.25));  // F32 pending tensors
   const auto before = acc.try_to_record();
   gradients_params<B> only_a;
-  only_a.insert("a", make_tensor<B, float>(shape_a, ramp(1)));
+  only_a.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
   fail_each_allocation([&] { acc.accumulate_with_dtype(params, only_a, float_dtype::f64); },
                        [&] { GRADACCUM_CHECK_SAME_BITS(acc.try_to_record(), before); });
   CHECK(acc.pending().dtype("a") == std::optional(float_dtype::f64));
@@ -138,8 +135,10 @@ TEST_CASE_TEMPLATE("an allocation failure in load_record, from_accumulator or fi
   const auto sums_before = sums.try_to_record();
   std::optional<weighted_gradients_accumulator<B>> restored;
   fail_each_allocation(
-      [&] { restored.emplace(weighted_gradients_accumulator<B>::from_accumulator(params, std::move(sums),
-                                                                                checkpoint.state)); },
+      [&] {
+        restored.emplace(
+            weighted_gradients_accumulator<B>::from_accumulator(params, std::move(sums), checkpoint.state));
+      },
       [&] { GRADACCUM_CHECK_SAME_BITS(sums.try_to_record(), sums_before); });
   REQUIRE(restored.has_value());
   GRADACCUM_CHECK_SAME_BITS(restored->try_to_record(), checkpoint);
@@ -148,7 +147,7 @@ TEST_CASE_TEMPLATE("an allocation failure in load_record, from_accumulator or fi
   fail_each_allocation([&] { finished.emplace(acc.finish_mean(params)); },
                        [&] { GRADACCUM_CHECK_SAME_BITS(acc.try_to_record(), checkpoint); });
   REQUIRE(finished.has_value());
-  CHECK(values_of<float>(finished->gradients, "a") == std::vector<float>{0.125F, 0.25F, 0.375F, 0.5F, 0.625F, 0.75F});
+  CHECK(values_of<float>(finished->gradients, "a") == as<float>(multiples(shape_a, 0.125)));
 }
 
 TEST_CASE_TEMPLATE("an allocation failure in parameter_set::add changes nothing", B, GRADACCUM_TEST_BACKENDS) {
@@ -158,23 +157,25 @@ TEST_CASE_TEMPLATE("an allocation failure in parameter_set::add changes nothing"
   for (int i = 0; i < 20; ++i) {
     const std::string id = "layer" + std::to_string(i) + ".weight.with.a.long.name";
     const std::size_t size_before = params.size();
-    fail_each_allocation([&] { params.add(id, parameter); }, [&] {
-      CHECK(params.size() == size_before);
-      CHECK_FALSE(params.contains(id));
-      for (std::size_t k = 0; k < params.size(); ++k) CHECK(params.find(params[k].id) == std::optional(k));
-    });
+    fail_each_allocation([&] { params.add(id, parameter); },
+                         [&] {
+                           CHECK(params.size() == size_before);
+                           CHECK_FALSE(params.contains(id));
+                           for (std::size_t k = 0; k < params.size(); ++k)
+                             CHECK(params.find(params[k].id) == std::optional(k));
+                         });
     CHECK(params.find(id) == std::optional(size_before));
   }
 }
 
 TEST_CASE_TEMPLATE("an allocation failure in gradients_params::insert changes nothing", B, GRADACCUM_TEST_BACKENDS) {
   gradients_params<B> grads;
-  const auto tensor = make_tensor<B, float>(shape_a, ramp(1));
+  const auto tensor = make_tensor<B, float>(shape_a, multiples(shape_a, 1));
   const auto unchanged = [&](std::size_t size) {
     return [&grads, size] {
       CHECK(grads.size() == size);
       for (const auto& entry : grads) {
-        CHECK(values_of<float>(grads, entry.id) == std::vector<float>{1, 2, 3, 4, 5, 6});
+        CHECK(values_of<float>(grads, entry.id) == as<float>(multiples(shape_a, 1)));
       }
     };
   };
@@ -184,9 +185,9 @@ TEST_CASE_TEMPLATE("an allocation failure in gradients_params::insert changes no
     CHECK(grads.contains(id));
   }
   SUBCASE("replacing a gradient") {
-    const auto other = make_tensor<B, float>(shape_a, ramp(10));
+    const auto other = make_tensor<B, float>(shape_a, multiples(shape_a, 10));
     fail_each_allocation([&] { grads.insert("layer3.weight.with.a.long.name", other); }, unchanged(grads.size()));
-    CHECK(values_of<float>(grads, "layer3.weight.with.a.long.name") == std::vector<float>{10, 11, 12, 13, 14, 15});
+    CHECK(values_of<float>(grads, "layer3.weight.with.a.long.name") == as<float>(multiples(shape_a, 10)));
   }
 }
 
@@ -195,9 +196,13 @@ TEST_CASE_TEMPLATE("building a parameter set or a microbatch's gradients allocat
   // Models have thousands of parameters: appending must not reallocate every container each time.
   constexpr int entries = 2000;
   std::vector<std::string> ids;  // short enough to be stored inline, so only containers allocate
-  for (int i = 0; i < entries; ++i) ids.push_back("p" + std::to_string(i));
   std::vector<tensor_t<B, float>> tensors;
-  for (int i = 0; i < entries; ++i) tensors.push_back(filled<B, float>({1, 1}, 1));
+  ids.reserve(entries);
+  tensors.reserve(entries);
+  for (int i = 0; i < entries; ++i) {
+    ids.push_back("p" + std::to_string(i));
+    tensors.push_back(filled<B, float>({1, 1}, 1));
+  }
   const auto device = backend_fixture<B>::device();
 
   parameter_set<B> params;

@@ -68,8 +68,8 @@ TEST_CASE("nothing non-finite is representable in any dtype") {
 }
 
 TEST_CASE("F32: representable while the value narrows to a finite float (round to nearest even)") {
-  CHECK(representable(0x1.fffffep127, float_dtype::f32));    // FLT_MAX
-  CHECK(representable(0x1.fffffefp127, float_dtype::f32));   // rounds down to FLT_MAX
+  CHECK(representable(0x1.fffffep127, float_dtype::f32));        // FLT_MAX
+  CHECK(representable(0x1.fffffefp127, float_dtype::f32));       // rounds down to FLT_MAX
   CHECK_FALSE(representable(0x1.ffffffp127, float_dtype::f32));  // the halfway point rounds to 2^128
   CHECK_FALSE(representable(-0x1p128, float_dtype::f32));
   // Values that narrow to 0 are still finite: "narrows to 0" is a separate check of its callers.

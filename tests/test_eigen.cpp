@@ -73,10 +73,10 @@ TEST_CASE("Eigen::Map gradients are read in place, when accumulated") {
 TEST_CASE("the kernels widen Eigen::half and Eigen::bfloat16 exactly as Eigen does") {
   for (std::uint32_t bits = 0; bits <= 0xffffU; ++bits) {
     const auto pattern = static_cast<std::uint16_t>(bits);
-    const float eigen_half = static_cast<float>(std::bit_cast<Eigen::half>(pattern));
-    const float eigen_bf16 = static_cast<float>(std::bit_cast<Eigen::bfloat16>(pattern));
-    const float kernel_half = kernels::to_work<float>(std::bit_cast<Eigen::half>(pattern));
-    const float kernel_bf16 = kernels::to_work<float>(std::bit_cast<Eigen::bfloat16>(pattern));
+    const auto eigen_half = static_cast<float>(std::bit_cast<Eigen::half>(pattern));
+    const auto eigen_bf16 = static_cast<float>(std::bit_cast<Eigen::bfloat16>(pattern));
+    const auto kernel_half = kernels::to_work<float>(std::bit_cast<Eigen::half>(pattern));
+    const auto kernel_bf16 = kernels::to_work<float>(std::bit_cast<Eigen::bfloat16>(pattern));
     // NaN payloads are not part of the contract; everything else must agree bit for bit.
     const bool half_agrees = std::isnan(eigen_half) ? std::isnan(kernel_half) : same_bits(eigen_half, kernel_half);
     const bool bf16_agrees = std::isnan(eigen_bf16) ? std::isnan(kernel_bf16) : same_bits(eigen_bf16, kernel_bf16);

@@ -15,9 +15,9 @@
 using gradaccum::errc;
 
 namespace {
-constexpr errc all_codes[] = {errc::invalid_scalar,     errc::invalid_dtype,    errc::parameter_mismatch,
-                              errc::unknown_parameters, errc::invalid_weight,   errc::counter_overflow,
-                              errc::empty_weight,       errc::invalid_state,    errc::invalid_record};
+constexpr errc all_codes[] = {errc::invalid_scalar,     errc::invalid_dtype,  errc::parameter_mismatch,
+                              errc::unknown_parameters, errc::invalid_weight, errc::counter_overflow,
+                              errc::empty_weight,       errc::invalid_state,  errc::invalid_record};
 }  // namespace
 
 TEST_CASE("errc is an error code enum of the gradaccum category") {

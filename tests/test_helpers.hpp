@@ -3,11 +3,11 @@
 /// @brief Backend-independent test helpers: exact 16-bit encodings, bitwise record comparison
 /// and checks that a call is rejected with a given `errc` and parameter id.
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <ostream>  // doctest prints std::error_code through operator<<
 #include <string>
 #include <string_view>
@@ -72,24 +72,29 @@ T to_element(double value) {
   }
 }
 
+/// @brief Floats compare as bit patterns (so NaN equals itself and -0 differs from +0).
 template <class T>
   requires std::is_arithmetic_v<T>
 bool same_bits(T a, T b) noexcept {
-  return std::memcmp(&a, &b, sizeof(T)) == 0;
+  if constexpr (std::is_floating_point_v<T>) {
+    using bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    return std::bit_cast<bits>(a) == std::bit_cast<bits>(b);
+  } else {
+    return a == b;
+  }
 }
 
-inline bool same_bits(const record_values& a, const record_values& b) noexcept {
+inline bool same_bits(const record_values& a, const record_values& b) {
   return a.index() == b.index() && std::visit(
                                        [&](const auto& values) {
                                          const auto& other = std::get<std::decay_t<decltype(values)>>(b);
-                                         return values.size() == other.size() &&
-                                                (values.empty() || std::memcmp(values.data(), other.data(),
-                                                                               values.size() * sizeof(values[0])) == 0);
+                                         return std::equal(values.begin(), values.end(), other.begin(), other.end(),
+                                                           [](auto x, auto y) { return same_bits(x, y); });
                                        },
                                        a);
 }
 
-inline bool same_bits(const gradients_params_record& a, const gradients_params_record& b) noexcept {
+inline bool same_bits(const gradients_params_record& a, const gradients_params_record& b) {
   if (a.tensors.size() != b.tensors.size()) return false;
   for (std::size_t i = 0; i < a.tensors.size(); ++i) {
     const tensor_record& x = a.tensors[i];
@@ -105,7 +110,7 @@ inline bool same_bits(const weighted_accumulation_state& a, const weighted_accum
          a.microbatches == b.microbatches;
 }
 
-inline bool same_bits(const weighted_gradients_record& a, const weighted_gradients_record& b) noexcept {
+inline bool same_bits(const weighted_gradients_record& a, const weighted_gradients_record& b) {
   return same_bits(a.gradients, b.gradients) && same_bits(a.state, b.state);
 }
 
@@ -130,7 +135,8 @@ inline std::string describe(const gradients_params_record& record) {
   std::string text;
   for (const tensor_record& t : record.tensors) {
     text += "  '" + t.id + "' " + std::string(to_string(t.dtype)) + " [";
-    for (std::size_t axis = 0; axis < t.shape.size(); ++axis) text += (axis == 0 ? "" : ", ") + std::to_string(t.shape[axis]);
+    for (std::size_t axis = 0; axis < t.shape.size(); ++axis)
+      text += (axis == 0 ? "" : ", ") + std::to_string(t.shape[axis]);
     text += "] " + describe(t.values) + "\n";
   }
   return text;
@@ -173,6 +179,8 @@ void check_rejected(const Call& call, errc code, std::string_view param_id, cons
   ::gradaccum::test::check_rejected([&] { (void)(expression); }, code, id, #expression)
 
 /// @brief CHECKs that two records (or states, or values) are equal bit for bit.
-#define GRADACCUM_CHECK_SAME_BITS(actual, expected)                                                   \
-  CHECK_MESSAGE(::gradaccum::test::same_bits(actual, expected),                                       \
-                "actual:\n" << ::gradaccum::test::describe(actual) << "expected:\n" << ::gradaccum::test::describe(expected))
+#define GRADACCUM_CHECK_SAME_BITS(actual, expected)                                                        \
+  CHECK_MESSAGE(::gradaccum::test::same_bits(actual, expected), "actual:\n"                                \
+                                                                    << ::gradaccum::test::describe(actual) \
+                                                                    << "expected:\n"                       \
+                                                                    << ::gradaccum::test::describe(expected))

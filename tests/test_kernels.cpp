@@ -143,8 +143,8 @@ TEST_CASE("convert widens exactly and narrows F64 to F32 to nearest even") {
   float narrow[4];
   kernels::convert(narrow, wide, 4);
   CHECK(narrow[0] == 0.1F);
-  CHECK(narrow[1] == 1.0F);              // a tie, to the even neighbour below
-  CHECK(narrow[2] == 1 + 0x1p-22F);      // a tie, to the even neighbour above
+  CHECK(narrow[1] == 1.0F);          // a tie, to the even neighbour below
+  CHECK(narrow[2] == 1 + 0x1p-22F);  // a tie, to the even neighbour above
   CHECK(narrow[3] == -0x1p-149F);
   const f16 half[] = {{0x0001}, {0xbc00}};
   double exact[2];

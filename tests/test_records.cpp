@@ -54,11 +54,11 @@ TEST_CASE("validate(gradients_params_record) refuses what no tensor can hold") {
     GRADACCUM_CHECK_REJECTED(validate(record), errc::invalid_record, id);
   };
   rejects([](auto& r) { r.tensors[0].values = std::vector<float>(5); }, "a");
-  rejects([](auto& r) { r.tensors[0].values = std::vector<double>(6); }, "a");        // values of another dtype
-  rejects([](auto& r) { r.tensors[1].dtype = float_dtype::f32; }, "b");               // 16-bit values
+  rejects([](auto& r) { r.tensors[0].values = std::vector<double>(6); }, "a");           // values of another dtype
+  rejects([](auto& r) { r.tensors[1].dtype = float_dtype::f32; }, "b");                  // 16-bit values
   rejects([](auto& r) { r.tensors[1].shape = std::vector<std::uint64_t>(9, 1); }, "b");  // rank above max_rank
-  rejects([](auto& r) { r.tensors[1].shape = {std::uint64_t{1} << 63, 4}; }, "b");    // element count overflows
-  rejects([](auto& r) { r.tensors[1].id = "a"; }, "a");                               // duplicate id
+  rejects([](auto& r) { r.tensors[1].shape = {std::uint64_t{1} << 63, 4}; }, "b");       // element count overflows
+  rejects([](auto& r) { r.tensors[1].id = "a"; }, "a");                                  // duplicate id
 }
 
 TEST_CASE("validate(weighted_accumulation_state) refuses inconsistent counters") {
