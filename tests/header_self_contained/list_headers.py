@@ -5,9 +5,9 @@ Prints one line per header, `<group> <include name>`, sorted: <group> is `core` 
 that needs only the standard library, else the `+`-joined components whose third-party headers
 it includes directly or through other gradaccum headers (e.g. `eigen`, `cereal+eigen`).
 
-With --expect, instead checks that the listing still equals the one Meson configured with
-and that no header includes a third-party header this script does not know; exits 1 naming
-the problem.
+With --expect, instead checks that the listing still equals the one Meson configured with,
+that no header includes a third-party header this script does not know, and that no header
+outside backends/<name>/ needs a backend; exits 1 naming each problem.
 """
 import argparse
 import pathlib
@@ -27,6 +27,8 @@ COMPONENT_OF_PREFIX = {
     "rapidjson/": "cereal",  # Debian's cereal uses the system rapidjson
     "mpi.h": "mpi",
 }
+# Components that are tensor backends, each with its own folder under backends/.
+BACKENDS = {"eigen", "xtensor"}
 # Always available: POSIX headers (atomic checkpoint files) and omp.h, which is included only
 # under `#if defined(_OPENMP)` and so needs nothing when OpenMP is off.
 SYSTEM = {"fcntl.h", "unistd.h", "sys/stat.h", "sys/types.h", "omp.h"}
@@ -58,7 +60,8 @@ def component_of(name):
 
 
 def classify(all_headers):
-    """Returns ({include name: set of components}, [(header, unknown include)])."""
+    """Returns ({include name: components needed}, [(header, unknown include)],
+    {include name: components of its own includes}, {include name: gradaccum headers it includes})."""
     direct, unknown, local = {}, [], {}
     for name, path in all_headers.items():
         components, includes = set(), []
@@ -84,13 +87,34 @@ def classify(all_headers):
 
     for name in all_headers:
         closure(name)
-    return needs, unknown
+    return needs, unknown, direct, local
+
+
+def backend_of(root, path):
+    """The backend whose folder holds `path`, or None for the core."""
+    relative = path.relative_to(root).parts
+    return relative[1] if relative[0] == "backends" else None
+
+
+def misplaced(root, all_headers, direct, local):
+    """Headers that include a backend (its third-party headers or its gradaccum header) they do
+    not belong to: the core must compile without any backend. Reported where the include is."""
+    found = []
+    for name, path in all_headers.items():
+        included_backends = direct[name] | {backend_of(root, all_headers[other]) for other in local[name]}
+        for backend in sorted(included_backends & BACKENDS - {backend_of(root, path)}):
+            found.append(f"{path.relative_to(root)} includes the {backend} backend, but the core "
+                         f"(and every other backend) must compile without it")
+    return found
 
 
 def listing(root):
-    needs, unknown = classify(headers(root))
+    all_headers = headers(root)
+    needs, unknown, direct, local = classify(all_headers)
     lines = sorted(f"{'+'.join(sorted(components)) or 'core'} {name}" for name, components in needs.items())
-    return lines, unknown
+    problems = [f"{header} includes <{included}>, which is neither a standard header nor a known dependency "
+                f"(add it to COMPONENT_OF_PREFIX in {pathlib.Path(__file__).name})" for header, included in unknown]
+    return lines, problems + misplaced(root, all_headers, direct, local)
 
 
 def main():
@@ -98,12 +122,10 @@ def main():
     parser.add_argument("--root", type=pathlib.Path, required=True, help="the gradaccum source tree")
     parser.add_argument("--expect", help="comma-separated listing Meson was configured with")
     args = parser.parse_args()
-    lines, unknown = listing(args.root.resolve())
+    lines, problems = listing(args.root.resolve())
     if args.expect is None:
         print("\n".join(lines))
         return 0
-    problems = [f"{header} includes <{included}>, which is neither a standard header nor a known dependency "
-                f"(add it to COMPONENT_OF_PREFIX in {pathlib.Path(__file__).name})" for header, included in unknown]
     if lines != args.expect.split(","):
         problems.append("the public headers changed since Meson was configured: run `meson setup --reconfigure` "
                         "so every header gets its self-contained test")
