@@ -14,8 +14,7 @@ void hand(benchmark::State& state, accumulate_case c) {
   const std::size_t n = c.elements();
   W* acc = pool().work<W>(n);
   const storage_t<In>* g = pool().gradient<In>(n);
-  auto w = static_cast<W>(mean_weight);
-  benchmark::DoNotOptimize(w);  // a runtime weight, as in gradaccum
+  const auto w = opaque(static_cast<W>(mean_weight));  // a runtime weight, as in gradaccum
   {
     alloc_probe probe(state);
     for (auto _ : state) {
@@ -36,8 +35,7 @@ void hand_mt(benchmark::State& state, accumulate_case c) {
   const std::size_t n = c.elements();
   W* acc = pool().work<W>(n);
   const storage_t<In>* g = pool().gradient<In>(n);
-  auto w = static_cast<W>(mean_weight);
-  benchmark::DoNotOptimize(w);  // a runtime weight, as in gradaccum
+  const auto w = opaque(static_cast<W>(mean_weight));  // a runtime weight, as in gradaccum
   {
     alloc_probe probe(state);
     for (auto _ : state) {

@@ -209,6 +209,18 @@ struct accumulate_case {
   }
 };
 
+/// @brief `value`, but unknown to the optimizer (a volatile read), so peers see runtime scalars
+/// as gradaccum does: a known power-of-two divisor, say, would become an exact reciprocal multiply.
+///
+/// Not `benchmark::DoNotOptimize(x)` on a scalar: with GCC 12 its `"+m,r"` constraint hands back
+/// garbage for a `double` (here a subnormal 4.6e-310 instead of 3.0), which turned the peers'
+/// arithmetic subnormal and 30-60x slower.
+template <class T>
+T opaque(T value) noexcept {
+  volatile T hidden = value;
+  return hidden;
+}
+
 /// The weight given to accumulate_mean cases (any value that is not 1 keeps the multiply).
 inline constexpr double mean_weight = 3.0;
 

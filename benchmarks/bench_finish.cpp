@@ -19,10 +19,8 @@ void hand(benchmark::State& state, std::size_t bytes) {
   const std::size_t n = bytes / sizeof(W);
   const W* source = pool().gradient<W>(n);
   W* x = pool().scratch<W>(n);
-  auto scale = static_cast<W>(finish_loss_scale);
-  auto total = static_cast<W>(finish_total_weight);
-  benchmark::DoNotOptimize(scale);
-  benchmark::DoNotOptimize(total);
+  const auto scale = opaque(static_cast<W>(finish_loss_scale));
+  const auto total = opaque(static_cast<W>(finish_total_weight));
   manual_loop(
       state, [&] { std::memcpy(x, source, n * sizeof(W)); }, [&] { hand_divide<W>(x, n, scale, total); });
   state.counters["bytes"] = 2.0 * static_cast<double>(bytes);

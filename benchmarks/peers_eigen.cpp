@@ -16,8 +16,7 @@ void native(benchmark::State& state, accumulate_case c) {
   const auto size = static_cast<Eigen::Index>(n);
   Eigen::Map<Eigen::Matrix<W, Eigen::Dynamic, 1>> acc(pool().work<W>(n), size);
   Eigen::Map<const Eigen::Matrix<E, Eigen::Dynamic, 1>> g(as_eigen<In>(pool().gradient<In>(n)), size);
-  auto w = static_cast<W>(mean_weight);
-  benchmark::DoNotOptimize(w);  // a runtime weight, as in gradaccum
+  const auto w = opaque(static_cast<W>(mean_weight));  // a runtime weight, as in gradaccum
   {
     alloc_probe probe(state);
     for (auto _ : state) {
@@ -41,12 +40,10 @@ void native_finish(benchmark::State& state, std::size_t bytes) {
   const W* source = pool().gradient<W>(n);
   W* scratch = pool().scratch<W>(n);
   Eigen::Map<Eigen::Array<W, Eigen::Dynamic, 1>> x(scratch, size);
-  auto scale = static_cast<W>(finish_loss_scale);
-  auto total = static_cast<W>(finish_total_weight);
   // Runtime values, as in gradaccum: a known power-of-two divisor would let the compiler
   // multiply by its (exact) reciprocal instead.
-  benchmark::DoNotOptimize(scale);
-  benchmark::DoNotOptimize(total);
+  const auto scale = opaque(static_cast<W>(finish_loss_scale));
+  const auto total = opaque(static_cast<W>(finish_total_weight));
   manual_loop(
       state, [&] { std::memcpy(scratch, source, n * sizeof(W)); }, [&] { x = x / scale / total; });
   state.counters["bytes"] = 2.0 * static_cast<double>(bytes);

@@ -47,8 +47,7 @@ void native(benchmark::State& state, accumulate_case c) {
   const std::array<std::size_t, 1> shape{n};
   auto acc = xt::adapt(pool().work<W>(n), n, xt::no_ownership(), shape);
   const auto g = xt::adapt(pool().gradient<In>(n), n, xt::no_ownership(), shape);
-  auto w = static_cast<W>(mean_weight);
-  benchmark::DoNotOptimize(w);  // a runtime weight, as in gradaccum
+  const auto w = opaque(static_cast<W>(mean_weight));  // a runtime weight, as in gradaccum
   // 16-bit: xt::cast cannot convert bit patterns, so the conversion goes in a vectorized
   // lambda. (xt::cast over Eigen::bfloat16 elements would not even compile under -Wpedantic:
   // xtensor 0.24 promotes `float + bfloat16`, which ISO C++ finds ambiguous.)

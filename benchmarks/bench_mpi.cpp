@@ -1,0 +1,212 @@
+/// @file
+/// @brief `gradaccum::allreduce_mean` against a raw `MPI_Allreduce` of the same bytes, for one
+/// large tensor and for 10,000 small ones. Run it under MPI (issue 8 targets 2 local ranks):
+///
+///     mpirun -np 2 build/benchmarks/bench_mpi [--benchmark_* flags]
+///
+/// Every rank runs every case in lockstep (fixed iteration and repetition counts, so the ranks
+/// never disagree on how often to call a collective); an iteration's time is that of the slowest
+/// rank, and only rank 0 prints. Cases are named `<case>/<peer>/<bytes>` like the rest of the
+/// suite: `allreduce/<tensors>x<elements>/{mpi_raw, ours_eigen, ours_eigen_start,
+/// ours_eigen_rowmajor}/<bytes>`. After the table, rank 0 prints the ratio of each peer's median
+/// time to the raw MPI_Allreduce's median (target: at most 1.2).
+///
+/// What "ours" pays on top of the raw sum: the agreement (two small collectives), packing the
+/// small tensors into one buffer and back, and the normalization `(x / s) / w` of every value.
+
+#include <benchmark/benchmark.h>
+
+#include <mpi.h>
+
+#include <gradaccum/backends/eigen.hpp>
+#include <gradaccum/gradaccum.hpp>
+#include <gradaccum/mpi.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+/// Eigen with its storage exposed (`host_memory_backend`): large tensors are reduced in place.
+struct eigen_host_backend : gradaccum::eigen_backend {
+  template <class T>
+  static T* data(tensor<T>& t) noexcept {
+    return t.data();
+  }
+};
+
+/// `tensors` tensors of `rows` × `cols` floats.
+struct layout {
+  std::size_t tensors;
+  Eigen::Index rows;
+  Eigen::Index cols;
+  int iterations;
+
+  [[nodiscard]] std::size_t elements() const noexcept { return tensors * static_cast<std::size_t>(rows * cols); }
+  [[nodiscard]] std::size_t bytes() const noexcept { return elements() * sizeof(float); }
+  [[nodiscard]] std::string name() const {
+    return "allreduce/" + std::to_string(tensors) + "x" + std::to_string(rows * cols);
+  }
+};
+
+const std::vector<layout>& layouts() {
+  static const std::vector<layout> all{
+      {1, 4096, 4096, 10},  // 64 MiB in one tensor
+      {10000, 8, 8, 40},    // 10,000 tensors of 64 floats (2.4 MiB)
+  };
+  return all;
+}
+
+constexpr int repetitions = 5;
+
+/// Runs `prepare()` untimed, then `body()` on every rank at once; an iteration takes as long as
+/// its slowest rank.
+template <class Prepare, class Body>
+void timed_loop(benchmark::State& state, const layout& shape, Prepare&& prepare, Body&& body) {
+  for (auto _ : state) {
+    prepare();
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double start = MPI_Wtime();
+    body();
+    double elapsed = MPI_Wtime() - start;
+    MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    state.SetIterationTime(elapsed);
+  }
+  state.counters["bytes"] = static_cast<double>(shape.bytes());
+}
+
+/// The floor: one in-place `MPI_Allreduce` of every value, already contiguous.
+void mpi_raw(benchmark::State& state, const layout& shape) {
+  std::vector<float> values(shape.elements());
+  timed_loop(
+      state, shape, [&] { std::fill(values.begin(), values.end(), 1.0F); },
+      [&] {
+        MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      });
+}
+
+enum class call { blocking, start_then_wait };
+
+/// `allreduce_mean` (or `start_allreduce_mean` + `wait`) of every rank's sums: `shape.tensors`
+/// present parameters, one microbatch of weight 1 per rank.
+template <class B>
+void ours(benchmark::State& state, const layout& shape, call how) {
+  gradaccum::parameter_set<B> params;
+  gradaccum::gradients_params<B> pending;
+  for (std::size_t i = 0; i < shape.tensors; ++i) {
+    const std::string id = "layer" + std::to_string(i) + ".weight";
+    typename B::template tensor<float> values = B::template tensor<float>::Constant(shape.rows, shape.cols, 1.0F);
+    params.add(id, values);
+    pending.insert(id, std::move(values));
+  }
+  const gradaccum::weighted_accumulation_state window{gradaccum::float_dtype::f32, 1024.0, 1.0, 1};
+  gradaccum::accumulated_gradients<B> sums;
+  gradaccum::accumulated_gradients<B> mean;
+  timed_loop(
+      state, shape,
+      [&] {
+        mean = {};  // free the last result outside the timed region
+        sums = {pending, window};
+      },
+      [&] {
+        if (how == call::blocking) {
+          mean = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
+        } else {
+          auto request = gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
+          mean = request.wait();
+        }
+      });
+}
+
+/// Google Benchmark's console table, plus each peer's median time over the raw MPI_Allreduce's.
+class ratio_reporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& run : runs) {
+      if (run.run_type == Run::RT_Aggregate && run.aggregate_name == "median") {
+        medians_[run.run_name.function_name] = run.GetAdjustedRealTime();
+      }
+    }
+  }
+
+  void Finalize() override {
+    ConsoleReporter::Finalize();
+    std::printf("\nmedian time / median of mpi_raw (target for ours_eigen: <= 1.2)\n");
+    for (const layout& shape : layouts()) {
+      const std::string bytes = "/" + std::to_string(shape.bytes());
+      const auto raw = medians_.find(shape.name() + "/mpi_raw" + bytes);
+      if (raw == medians_.end()) continue;
+      for (const char* peer : {"ours_eigen", "ours_eigen_start", "ours_eigen_rowmajor"}) {
+        const auto ours = medians_.find(shape.name() + "/" + peer + bytes);
+        if (ours == medians_.end()) continue;
+        std::printf("  %-22s %-20s %6.2fx  (%.3f ms vs %.3f ms)\n", shape.name().c_str(), peer,
+                    ours->second / raw->second, ours->second, raw->second);
+      }
+    }
+  }
+
+ private:
+  std::map<std::string, double> medians_;  // function name → median real time (ms)
+};
+
+/// Prints nothing: ranks other than 0 run every case but report none.
+class silent_reporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context& /*context*/) override { return true; }
+  void ReportRuns(const std::vector<Run>& /*runs*/) override {}
+};
+
+void register_cases() {
+  for (const layout& shape : layouts()) {
+    const auto add = [&](std::string_view peer, auto&& fn) {
+      benchmark::RegisterBenchmark(
+          (shape.name() + "/" + std::string(peer) + "/" + std::to_string(shape.bytes())).c_str(),
+          [&shape, fn](benchmark::State& state) { fn(state, shape); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(shape.iterations)
+          ->Repetitions(repetitions)
+          ->ReportAggregatesOnly(true);
+    };
+    add("mpi_raw", mpi_raw);
+    add("ours_eigen",
+        [](benchmark::State& state, const layout& s) { ours<eigen_host_backend>(state, s, call::blocking); });
+    add("ours_eigen_start",
+        [](benchmark::State& state, const layout& s) { ours<eigen_host_backend>(state, s, call::start_then_wait); });
+    add("ours_eigen_rowmajor",
+        [](benchmark::State& state, const layout& s) { ours<gradaccum::eigen_backend>(state, s, call::blocking); });
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  // Only rank 0 writes --benchmark_out files; the others drop the flag.
+  if (rank != 0) {
+    argc = static_cast<int>(
+        std::remove_if(argv + 1, argv + argc,
+                       [](const char* arg) { return std::string_view(arg).starts_with("--benchmark_out"); }) -
+        argv);
+  }
+  benchmark::Initialize(&argc, argv);
+  register_cases();
+  if (rank == 0) {
+    ratio_reporter reporter;
+    benchmark::RunSpecifiedBenchmarks(&reporter);
+  } else {
+    silent_reporter reporter;
+    benchmark::RunSpecifiedBenchmarks(&reporter);
+  }
+  benchmark::Shutdown();
+  MPI_Finalize();
+  return 0;
+}
