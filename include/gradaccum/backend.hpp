@@ -52,15 +52,15 @@ concept has_backend_types = requires {
 
 /// What the library does with an incoming gradient of type X (a tensor or a view).
 template <class B, class X>
-concept backend_input = requires(const X& g, typename B::template tensor<float>& acc32,
-                                 typename B::template tensor<double>& acc64) {
-  { B::shape(g) } -> std::same_as<tensor_shape>;
-  { B::device(g) } -> std::convertible_to<typename B::device_type>;
-  { B::add_scaled(acc32, g, 1.0F) } noexcept;
-  { B::add_scaled(acc64, g, 1.0) } noexcept;
-  { B::template convert<float>(g) } -> std::same_as<typename B::template tensor<float>>;
-  { B::template convert<double>(g) } -> std::same_as<typename B::template tensor<double>>;
-};
+concept backend_input =
+    requires(const X& g, typename B::template tensor<float>& acc32, typename B::template tensor<double>& acc64) {
+      { B::shape(g) } -> std::same_as<tensor_shape>;
+      { B::device(g) } -> std::convertible_to<typename B::device_type>;
+      { B::add_scaled(acc32, g, 1.0F) } noexcept;
+      { B::add_scaled(acc64, g, 1.0) } noexcept;
+      { B::template convert<float>(g) } -> std::same_as<typename B::template tensor<float>>;
+      { B::template convert<double>(g) } -> std::same_as<typename B::template tensor<double>>;
+    };
 
 /// What the library does with a pending tensor of work type W.
 template <class B, class W>
@@ -72,16 +72,14 @@ concept backend_work = requires(typename B::template tensor<W>& acc, const typen
 };
 
 template <class B, class T>
-struct element_supported
-    : std::bool_constant<element_type<T> && backend_input<B, typename B::template tensor<T>> &&
-                         std::copyable<typename B::template tensor<T>>> {};
+struct element_supported : std::bool_constant<element_type<T> && backend_input<B, typename B::template tensor<T>> &&
+                                              std::copyable<typename B::template tensor<T>>> {};
 
 template <class B, class List>
 struct all_elements_supported;
 template <class B, class... Ts>
 struct all_elements_supported<B, type_list<Ts...>>
-    : std::bool_constant<(element_supported<B, Ts>::value && ...) &&
-                         list_contains<float, type_list<Ts...>>::value &&
+    : std::bool_constant<(element_supported<B, Ts>::value && ...) && list_contains<float, type_list<Ts...>>::value &&
                          list_contains<double, type_list<Ts...>>::value> {};
 
 template <class B, class List>
@@ -114,8 +112,7 @@ concept tensor_backend =
 
 /// @brief A backend whose tensors can be copied to and from row-major buffers (records).
 template <class B>
-concept serializable_backend =
-    tensor_backend<B> && detail::all_row_major_io<B, typename B::element_types>::value;
+concept serializable_backend = tensor_backend<B> && detail::all_row_major_io<B, typename B::element_types>::value;
 
 namespace detail {
 
@@ -136,12 +133,15 @@ tensor_shape shape_of(const X& value, std::string_view id) {
 /// alone print pages of template context, these name the missing piece and its signature.
 template <class B>
 consteval bool check_backend() {
-  static_assert(requires { typename B::device_type; },
-                "gradaccum backend: missing `using device_type = ...;` (an equality-comparable device tag)");
-  static_assert(requires { typename B::element_types; },
-                "gradaccum backend: missing `using element_types = gradaccum::type_list<float, double, ...>;`");
-  static_assert(requires { typename B::template tensor<float>; },
-                "gradaccum backend: missing `template <class T> using tensor = ...;`");
+  static_assert(
+      requires { typename B::device_type; },
+      "gradaccum backend: missing `using device_type = ...;` (an equality-comparable device tag)");
+  static_assert(
+      requires { typename B::element_types; },
+      "gradaccum backend: missing `using element_types = gradaccum::type_list<float, double, ...>;`");
+  static_assert(
+      requires { typename B::template tensor<float>; },
+      "gradaccum backend: missing `template <class T> using tensor = ...;`");
   if constexpr (has_backend_types<B>) {
     using f32 = typename B::template tensor<float>;
     static_assert(std::equality_comparable<typename B::device_type>,
@@ -149,32 +149,44 @@ consteval bool check_backend() {
     static_assert(list_contains<float, typename B::element_types>::value &&
                       list_contains<double, typename B::element_types>::value,
                   "gradaccum backend: `element_types` must contain float and double (the work types)");
-    static_assert(requires(const f32& t) {
-      { B::shape(t) } -> std::same_as<tensor_shape>;
-    }, "gradaccum backend: missing or mis-declared `static gradaccum::tensor_shape shape(const tensor<T>&)`");
-    static_assert(requires(const f32& t) {
-      { B::device(t) } -> std::convertible_to<typename B::device_type>;
-    }, "gradaccum backend: missing or mis-declared `static device_type device(const tensor<T>&)`");
-    static_assert(requires(const tensor_shape& s, const typename B::device_type& d) {
-      { B::template zeros<float>(s, d) } -> std::same_as<f32>;
-    }, "gradaccum backend: missing or mis-declared `template <class W> static tensor<W> zeros(const "
-       "gradaccum::tensor_shape&, const device_type&)`");
-    static_assert(requires(f32& acc, const f32& g) {
-      { B::add_scaled(acc, g, 1.0F) } noexcept;
-    }, "gradaccum backend: missing, mis-declared or not noexcept `static void add_scaled(tensor<W>& acc, "
-       "const tensor<T>& g, W scale) noexcept` (acc += scale * W(g))");
-    static_assert(requires(f32& acc) {
-      { B::divide(acc, 1.0F, 1.0F) } noexcept;
-    }, "gradaccum backend: missing, mis-declared or not noexcept `static void divide(tensor<W>& acc, W first, "
-       "W second) noexcept` (acc = acc / first / second)");
-    static_assert(requires(const f32& t) {
-      { B::all_finite(t) } noexcept -> std::same_as<bool>;
-    }, "gradaccum backend: missing, mis-declared or not noexcept `static bool all_finite(const tensor<W>&) "
-       "noexcept`");
-    static_assert(requires(const f32& t) {
-      { B::template convert<double>(t) } -> std::same_as<typename B::template tensor<double>>;
-    }, "gradaccum backend: missing or mis-declared `template <class W> static tensor<W> convert(const "
-       "tensor<T>&)`");
+    static_assert(
+        requires(const f32& t) {
+          { B::shape(t) } -> std::same_as<tensor_shape>;
+        }, "gradaccum backend: missing or mis-declared `static gradaccum::tensor_shape shape(const tensor<T>&)`");
+    static_assert(
+        requires(const f32& t) {
+          { B::device(t) } -> std::convertible_to<typename B::device_type>;
+        }, "gradaccum backend: missing or mis-declared `static device_type device(const tensor<T>&)`");
+    static_assert(
+        requires(const tensor_shape& s, const typename B::device_type& d) {
+          { B::template zeros<float>(s, d) } -> std::same_as<f32>;
+        },
+        "gradaccum backend: missing or mis-declared `template <class W> static tensor<W> zeros(const "
+        "gradaccum::tensor_shape&, const device_type&)`");
+    static_assert(
+        requires(f32& acc, const f32& g) {
+          { B::add_scaled(acc, g, 1.0F) } noexcept;
+        },
+        "gradaccum backend: missing, mis-declared or not noexcept `static void add_scaled(tensor<W>& acc, "
+        "const tensor<T>& g, W scale) noexcept` (acc += scale * W(g))");
+    static_assert(
+        requires(f32& acc) {
+          { B::divide(acc, 1.0F, 1.0F) } noexcept;
+        },
+        "gradaccum backend: missing, mis-declared or not noexcept `static void divide(tensor<W>& acc, W first, "
+        "W second) noexcept` (acc = acc / first / second)");
+    static_assert(
+        requires(const f32& t) {
+          { B::all_finite(t) } noexcept -> std::same_as<bool>;
+        },
+        "gradaccum backend: missing, mis-declared or not noexcept `static bool all_finite(const tensor<W>&) "
+        "noexcept`");
+    static_assert(
+        requires(const f32& t) {
+          { B::template convert<double>(t) } -> std::same_as<typename B::template tensor<double>>;
+        },
+        "gradaccum backend: missing or mis-declared `template <class W> static tensor<W> convert(const "
+        "tensor<T>&)`");
     static_assert(tensor_backend<B>,
                   "gradaccum backend: tensor<float> conforms but not everything else: every T of element_types "
                   "needs a gradaccum::element_dtype<T> specialization and a copyable tensor<T> that shape, device, "

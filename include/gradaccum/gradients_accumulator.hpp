@@ -60,9 +60,7 @@ class gradients_accumulator {
   }
 
   /// @brief Validates like an accumulation would, touching nothing.
-  void validate(const parameter_set<B>& params, const gradients_params<B>& grads) const {
-    grads.validate_for(params);
-  }
+  void validate(const parameter_set<B>& params, const gradients_params<B>& grads) const { grads.validate_for(params); }
 
   /// @brief The pending sums (owned tensors of a work dtype).
   [[nodiscard]] const gradients_params<B>& pending() const noexcept { return pending_; }
@@ -232,10 +230,10 @@ class gradients_accumulator {
       for (const auto& e : pending_) {
         if (gradients_params<B>::dtype_of_value(e.value) != *work) {
           detail::visit_work_dtype(*work, [&]<class W>() {
-            converted.emplace_back(index, value_type(std::in_place_type<tensor<W>>,
-                                                     detail::visit_gradient(
-                                                         [](const auto& v) { return B::template convert<W>(v); },
-                                                         e.value)));
+            converted.emplace_back(
+                index,
+                value_type(std::in_place_type<tensor<W>>,
+                           detail::visit_gradient([](const auto& v) { return B::template convert<W>(v); }, e.value)));
           });
         }
         ++index;
@@ -268,9 +266,9 @@ class gradients_accumulator {
   }
 
   gradients_params<B> pending_;
-  std::vector<std::uint32_t> slots_;      // parameter position → pending index + 1 (0: none yet)
-  std::uint64_t slots_for_ = 0;           // identity of the parameter set `slots_` was built for
-  std::vector<std::size_t> positions_;    // scratch: positions of the incoming gradients
+  std::vector<std::uint32_t> slots_;          // parameter position → pending index + 1 (0: none yet)
+  std::uint64_t slots_for_ = 0;               // identity of the parameter set `slots_` was built for
+  std::vector<std::size_t> positions_;        // scratch: positions of the incoming gradients
   std::optional<float_dtype> pending_dtype_;  // dtype shared by every pending tensor, if any
 };
 

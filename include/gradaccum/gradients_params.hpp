@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <bit>
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
@@ -198,8 +198,7 @@ class gradients_params {
 
   /// @brief Validated copy: `g ← W(g) / W(divisor)` in work dtype `dtype`.
   /// @throws error(errc::invalid_scalar) when `divisor` is zero or not representable in `dtype`.
-  [[nodiscard]] gradients_params unscaled_for(const parameter_set<B>& params, double divisor,
-                                              float_dtype dtype) const {
+  [[nodiscard]] gradients_params unscaled_for(const parameter_set<B>& params, double divisor, float_dtype dtype) const {
     detail::require_work_dtype(dtype);
     detail::require_scalar(divisor, dtype, true);
     return transformed_for(params, dtype,

@@ -71,9 +71,9 @@ class parameter_set {
     if (const auto position = find(id)) {
       const parameter& tied = params_[*position];
       if (tied.shape != shape) {
-        detail::fail(errc::parameter_mismatch, "tied parameter '" + std::string(id) + "' was added with shape " +
-                                                   tied.shape.to_string() + " and again with shape " +
-                                                   shape.to_string() + ".",
+        detail::fail(errc::parameter_mismatch,
+                     "tied parameter '" + std::string(id) + "' was added with shape " + tied.shape.to_string() +
+                         " and again with shape " + shape.to_string() + ".",
                      std::string(id));
       }
       if (!(tied.device == device)) {
@@ -91,7 +91,9 @@ class parameter_set {
   }
 
   /// @brief Position of `id`, if present.
-  [[nodiscard]] std::optional<std::size_t> find(std::string_view id) const noexcept { return index_.find(id, key_of()); }
+  [[nodiscard]] std::optional<std::size_t> find(std::string_view id) const noexcept {
+    return index_.find(id, key_of());
+  }
 
   /// @brief Position of `id`, checking `hint` first: gradients given in parameter order
   /// resolve with one string comparison each.

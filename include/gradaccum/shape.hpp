@@ -22,7 +22,8 @@ inline constexpr std::size_t max_rank = 8;
 class tensor_shape {
  public:
   constexpr tensor_shape() noexcept = default;
-  constexpr tensor_shape(std::initializer_list<std::size_t> dims) : tensor_shape(std::span(dims.begin(), dims.size())) {}
+  constexpr tensor_shape(std::initializer_list<std::size_t> dims)
+      : tensor_shape(std::span(dims.begin(), dims.size())) {}
 
   /// @throws error(errc::invalid_record) when `dims` has more than `max_rank` entries.
   template <class Int>

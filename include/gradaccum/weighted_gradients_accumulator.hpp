@@ -152,11 +152,11 @@ class weighted_gradients_accumulator {
   }
 
  private:
-  void accumulate(const parameter_set<B>& params, const gradients_params<B>& grads, double weight,
-                  double multiplier) {
+  void accumulate(const parameter_set<B>& params, const gradients_params<B>& grads, double weight, double multiplier) {
     const float_dtype dtype = state_.dtype;
     const bool f32 = dtype == float_dtype::f32;
-    if (!(weight >= 0.0) || !representable(weight, dtype) || (f32 && weight > 0.0 && static_cast<float>(weight) == 0.0F)) {
+    if (!(weight >= 0.0) || !representable(weight, dtype) ||
+        (f32 && weight > 0.0 && static_cast<float>(weight) == 0.0F)) {
       detail::fail(errc::invalid_weight, "microbatch weight " + std::to_string(weight) +
                                              " is not a non-negative value representable in " +
                                              std::string(to_string(dtype)) + ".");

@@ -105,7 +105,7 @@ struct eigen_backend {
   static tensor<T> from_row_major(std::span<const T> values, const tensor_shape& s, const device_type& /*device*/) {
     const auto [rows, cols] = rows_cols(s);
     return Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(values.data(), rows,
-                                                                                              cols);
+                                                                                               cols);
   }
 
  private:
