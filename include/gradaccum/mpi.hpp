@@ -88,7 +88,8 @@ inline void check(int code, const char* call) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
   MPI_Error_string(code, text, &length);
-  fail(errc::invalid_state, std::string(call) + " failed: " + std::string(text, static_cast<std::size_t>(length)) + ".");
+  fail(errc::invalid_state,
+       std::string(call) + " failed: " + std::string(text, static_cast<std::size_t>(length)) + ".");
 }
 
 template <class W>
@@ -164,24 +165,53 @@ inline void combine_agreements(void* in, void* inout, int* count, MPI_Datatype* 
   }
 }
 
-/// Sums `agreement`s over `comm` in place.
-inline void allreduce_agreement(agreement& mine, MPI_Comm comm) {
+/// The datatype and reduction operation of `agreement`s. Created once, on first use: Open MPI
+/// 4.1 keeps a few hundred bytes of every operation ever created, so one per call would leak in
+/// a long run. They are freed when `MPI_Finalize` deletes the attributes of `MPI_COMM_SELF`
+/// (the standard hook for a library's cleanup), so no MPI object outlives MPI.
+struct agreement_handles {
   MPI_Datatype type = MPI_DATATYPE_NULL;
-  check(MPI_Type_contiguous(static_cast<int>(sizeof(agreement)), MPI_BYTE, &type), "MPI_Type_contiguous");
   MPI_Op op = MPI_OP_NULL;
-  const auto release = [&] {
-    if (op != MPI_OP_NULL) MPI_Op_free(&op);
-    MPI_Type_free(&type);
-  };
-  try {
-    check(MPI_Type_commit(&type), "MPI_Type_commit");
-    check(MPI_Op_create(&combine_agreements, 1, &op), "MPI_Op_create");
-    check(MPI_Allreduce(MPI_IN_PLACE, &mine, 1, type, op, comm), "MPI_Allreduce");
-  } catch (...) {
-    release();
-    throw;
+
+  static const agreement_handles& get() { return instance(); }
+
+ private:
+  static agreement_handles& instance() {
+    static agreement_handles handles = create();
+    return handles;
   }
-  release();
+
+  static agreement_handles create() {
+    agreement_handles created;
+    try {
+      check(MPI_Type_contiguous(static_cast<int>(sizeof(agreement)), MPI_BYTE, &created.type), "MPI_Type_contiguous");
+      check(MPI_Type_commit(&created.type), "MPI_Type_commit");
+      check(MPI_Op_create(&combine_agreements, 1, &created.op), "MPI_Op_create");
+      int key = MPI_KEYVAL_INVALID;
+      check(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &release_at_finalize, &key, nullptr),
+            "MPI_Comm_create_keyval");
+      check(MPI_Comm_set_attr(MPI_COMM_SELF, key, nullptr), "MPI_Comm_set_attr");
+    } catch (...) {
+      if (created.op != MPI_OP_NULL) MPI_Op_free(&created.op);
+      if (created.type != MPI_DATATYPE_NULL) MPI_Type_free(&created.type);
+      throw;
+    }
+    return created;
+  }
+
+  static int release_at_finalize(MPI_Comm /*comm*/, int key, void* /*value*/, void* /*extra*/) {
+    agreement_handles& handles = instance();
+    MPI_Op_free(&handles.op);
+    MPI_Type_free(&handles.type);
+    MPI_Comm_free_keyval(&key);
+    return MPI_SUCCESS;
+  }
+};
+
+/// Combines `agreement`s over `comm` in place: one small collective.
+inline void allreduce_agreement(agreement& mine, MPI_Comm comm) {
+  const agreement_handles& handles = agreement_handles::get();
+  check(MPI_Allreduce(MPI_IN_PLACE, &mine, 1, handles.type, handles.op, comm), "MPI_Allreduce");
 }
 
 /// FNV-1a over ids, ranks and dimensions: equal on every rank exactly when the parameter sets
@@ -354,11 +384,13 @@ class allreduce_mean_request {
       if (entry_of[position] != no_entry) present[position / 64] |= std::uint64_t{1} << (position % 64);
     }
     if (!present.empty()) {
-      detail::mpi::check(MPI_Allreduce(MPI_IN_PLACE, present.data(), static_cast<int>(present.size()),
-                                       MPI_UINT64_T, MPI_BOR, comm),
-                         "MPI_Allreduce");
+      detail::mpi::check(
+          MPI_Allreduce(MPI_IN_PLACE, present.data(), static_cast<int>(present.size()), MPI_UINT64_T, MPI_BOR, comm),
+          "MPI_Allreduce");
     }
-    const auto is_present = [&](std::size_t position) { return ((present[position / 64] >> (position % 64)) & 1U) != 0; };
+    const auto is_present = [&](std::size_t position) {
+      return ((present[position / 64] >> (position % 64)) & 1U) != 0;
+    };
 
     detail::visit_work_dtype(state_.dtype, [&]<class W>() { prepare<W>(params, sums, entry_of, is_present); });
   }
@@ -378,9 +410,8 @@ class allreduce_mean_request {
     for (const auto& e : sums.gradients) {
       const std::size_t position = detail::visit_gradient(
           [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
-      const bool owned_work_tensor = detail::visit_work_dtype(sums.state.dtype, [&]<class W>() {
-        return std::holds_alternative<tensor<W>>(e.value);
-      });
+      const bool owned_work_tensor = detail::visit_work_dtype(
+          sums.state.dtype, [&]<class W>() { return std::holds_alternative<tensor<W>>(e.value); });
       if (!owned_work_tensor) {
         detail::fail(errc::invalid_state,
                      "pending tensor '" + e.id + "' is not an owned tensor of the state's work dtype " +
@@ -396,9 +427,8 @@ class allreduce_mean_request {
   void check_agreement(const detail::mpi::agreement& agreed) const {
     if (agreed.first_failure != detail::mpi::no_failure) {
       const auto code = static_cast<errc>(agreed.first_failure & 0xffU);
-      detail::fail(code, "rank " + std::to_string(agreed.first_failure >> 8) +
-                             " rejected its accumulated sums (" + make_error_code(code).message() +
-                             "); nothing was reduced.");
+      detail::fail(code, "rank " + std::to_string(agreed.first_failure >> 8) + " rejected its accumulated sums (" +
+                             make_error_code(code).message() + "); nothing was reduced.");
     }
     if (!agreed.layout.agreed()) {
       detail::fail(errc::parameter_mismatch,
@@ -411,10 +441,10 @@ class allreduce_mean_request {
                        std::string(to_string(static_cast<float_dtype>(agreed.dtype.max))) + "); nothing was reduced.");
     }
     if (!agreed.loss_scale.agreed()) {
-      detail::fail(errc::invalid_state,
-                   "ranks used different loss scales (" +
-                       std::to_string(std::bit_cast<double>(agreed.loss_scale.min())) + " and " +
-                       std::to_string(std::bit_cast<double>(agreed.loss_scale.max)) + "); nothing was reduced.");
+      detail::fail(errc::invalid_state, "ranks used different loss scales (" +
+                                            std::to_string(std::bit_cast<double>(agreed.loss_scale.min())) + " and " +
+                                            std::to_string(std::bit_cast<double>(agreed.loss_scale.max)) +
+                                            "); nothing was reduced.");
     }
     const auto dtype = static_cast<float_dtype>(agreed.dtype.max);
     if (agreed.microbatches == std::numeric_limits<std::uint64_t>::max()) {
@@ -422,12 +452,12 @@ class allreduce_mean_request {
     }
     if (!representable(agreed.total_weight, dtype)) {
       detail::fail(errc::invalid_weight, "the ranks' total weights sum to " + std::to_string(agreed.total_weight) +
-                                             ", which is not representable in " + std::string(to_string(dtype)) +
-                                             ".");
+                                             ", which is not representable in " + std::string(to_string(dtype)) + ".");
     }
     if (!(agreed.total_weight > 0.0)) {
-      detail::fail(errc::empty_weight, "cannot normalize accumulation windows whose total weight over all ranks is "
-                                       "zero; nothing was reduced.");
+      detail::fail(errc::empty_weight,
+                   "cannot normalize accumulation windows whose total weight over all ranks is "
+                   "zero; nothing was reduced.");
     }
   }
 
@@ -507,9 +537,9 @@ class allreduce_mean_request {
           } else {
             MPI_Request request = MPI_REQUEST_NULL;
             requests_.reserve(requests_.size() + 1);
-            detail::mpi::check(MPI_Iallreduce(MPI_IN_PLACE, piece, piece_count, detail::mpi::datatype<W>(), MPI_SUM,
-                                              comm, &request),
-                               "MPI_Iallreduce");
+            detail::mpi::check(
+                MPI_Iallreduce(MPI_IN_PLACE, piece, piece_count, detail::mpi::datatype<W>(), MPI_SUM, comm, &request),
+                "MPI_Iallreduce");
             requests_.push_back(request);
           }
         });
