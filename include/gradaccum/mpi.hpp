@@ -271,8 +271,9 @@ typename B::template tensor<W>& tensor_at(gradients_params<B>& gradients, std::s
 /// @brief A reduction started by `start_allreduce_mean`: the values are in flight, and `wait()`
 /// returns the globally normalized mean.
 ///
-/// Owns every buffer MPI writes into, so it must outlive nothing: moving it keeps the buffers
-/// where they are, and destroying it before `wait()` waits for the reduction (and discards it).
+/// Owns every buffer MPI writes into: moving it leaves those buffers where they are, and
+/// destroying it before `wait()` waits for the reduction to finish and discards the result (so
+/// it must be destroyed before `MPI_Finalize`).
 template <class B>
 class allreduce_mean_request {
  public:
