@@ -106,15 +106,25 @@ inline void validate(const gradients_params_record& record) {
                    tensor.id);
     }
   }
+  // Records list tensors sorted by id, so a duplicate is a neighbour: one pass. Only a record
+  // in another order needs sorting (thousands of ids sharing long prefixes sort slowly).
+  const auto fail_duplicate = [](const std::string& id) {
+    detail::fail(errc::invalid_record, "record lists tensor '" + id + "' twice.", id);
+  };
+  const auto by_id = [](const tensor_record& a, const tensor_record& b) { return a.id < b.id; };
+  if (std::is_sorted(record.tensors.begin(), record.tensors.end(), by_id)) {
+    const auto same_id = [](const tensor_record& a, const tensor_record& b) { return a.id == b.id; };
+    const auto duplicate = std::adjacent_find(record.tensors.begin(), record.tensors.end(), same_id);
+    if (duplicate != record.tensors.end()) fail_duplicate(duplicate->id);
+    return;
+  }
   std::vector<const std::string*> ids;
   ids.reserve(record.tensors.size());
   for (const tensor_record& tensor : record.tensors) ids.push_back(&tensor.id);
   std::sort(ids.begin(), ids.end(), [](const std::string* a, const std::string* b) { return *a < *b; });
   const auto duplicate =
       std::adjacent_find(ids.begin(), ids.end(), [](const std::string* a, const std::string* b) { return *a == *b; });
-  if (duplicate != ids.end()) {
-    detail::fail(errc::invalid_record, "record lists tensor '" + **duplicate + "' twice.", **duplicate);
-  }
+  if (duplicate != ids.end()) fail_duplicate(**duplicate);
 }
 
 /// @brief Checks a window state: work dtype, a representable positive loss scale, a
