@@ -403,6 +403,17 @@ TEST_CASE("a record listing an id twice is refused, naming it") {
   binary_bytes twice = window_head(2);
   twice.tensor_head(true, "w", "F32", {1, 1}).floats({1}).tensor_head(false, "w", "F32", {1, 1}).floats({2});
   check_refused(twice.str(), checkpoint_format::binary, errc::invalid_record, "w", {"lists tensor 'w' twice"});
+  // Out of order, the duplicates are not neighbours.
+  binary_bytes unsorted = window_head(3);
+  unsorted.tensor_head(true, "w", "F32", {1, 1}).floats({1}).tensor_head(false, "a", "F32", {1, 1}).floats({2});
+  unsorted.tensor_head(false, "w", "F32", {1, 1}).floats({3});
+  check_refused(unsorted.str(), checkpoint_format::binary, errc::invalid_record, "w", {"lists tensor 'w' twice"});
+  // Out of order without duplicates is a valid record, and keeps its order.
+  binary_bytes reversed = window_head(2);
+  reversed.tensor_head(true, "w", "F32", {1, 1}).floats({1}).tensor_head(false, "a", "F32", {1, 1}).floats({2});
+  const auto loaded = parse_checkpoint<weighted_gradients_record>(reversed.str(), checkpoint_format::binary);
+  CHECK(loaded.gradients.tensors[0].id == "w");
+  CHECK(loaded.gradients.tensors[1].id == "a");
   const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
   check_refused(replaced(json, "\"id\": \"w\"", "\"id\": \"b\""), checkpoint_format::json, errc::invalid_record, "b",
                 {"lists tensor 'b' twice"});

@@ -135,15 +135,16 @@ inline std::string quote(std::string_view text) {
   return out + "'";
 }
 
-/// What is being loaded, for messages: the error code its problems get, a description
-/// ("record tensor 'fc1.weight'") and the parameter id, if any.
+/// What is being loaded, for messages: the error code its problems get, what it is ("record
+/// tensor") and, once read, its id. Messages are composed only on failure.
 struct load_site {
   errc code;
-  std::string owner;
-  std::string param_id;
+  std::string_view owner;
+  const std::string* id = nullptr;
 
   [[noreturn]] void fail(const std::string& problem) const {
-    detail::fail(code, owner + " " + problem, param_id);
+    detail::fail(code, std::string(owner) + (id != nullptr ? " " + quote(*id) : "") + " " + problem,
+                 id != nullptr ? *id : std::string());
   }
 };
 
@@ -347,6 +348,10 @@ std::string load_string(Archive& ar, const load_site& site, const char* field, s
   return text;
 }
 
+/// Fewest bytes a tensor takes in a binary archive: sizes of its id and dtype name, the name
+/// ("F32"), its rank and its value count.
+inline constexpr std::uint64_t min_binary_tensor_bytes = 8 + 8 + 3 + 8 + 8;
+
 /// Longest dtype name read ("BF16" has 4 bytes); longer input is not a dtype name.
 inline constexpr std::uint64_t max_dtype_name_length = 8;
 
@@ -397,9 +402,9 @@ template <class Archive>
 void load(Archive& ar, tensor_record& tensor, const std::uint32_t version) {
   detail::check_format_version(version, "a tensor record");
   tensor_record loaded;
-  loaded.id = detail::load_string(ar, {errc::invalid_record, "a record tensor", {}},
-                                  "id", std::numeric_limits<std::uint64_t>::max());
-  const detail::load_site site{errc::invalid_record, "record tensor " + detail::quote(loaded.id), loaded.id};
+  loaded.id = detail::load_string(ar, {errc::invalid_record, "a record tensor"}, "id",
+                                  std::numeric_limits<std::uint64_t>::max());
+  const detail::load_site site{errc::invalid_record, "record tensor", &loaded.id};
   loaded.dtype = detail::load_dtype(ar, site);
 
   detail::read_field<Archive>(site, "shape", "a list of dimensions", [&] {
@@ -448,15 +453,20 @@ void save(Archive& ar, const gradients_params_record& record, const std::uint32_
 template <class Archive>
 void load(Archive& ar, gradients_params_record& record, const std::uint32_t version) {
   detail::check_format_version(version, "a gradients record");
-  const detail::load_site site{errc::invalid_record, "gradients record", {}};
+  const detail::load_site site{errc::invalid_record, "gradients record"};
   gradients_params_record loaded;
   detail::read_field<Archive>(site, "tensors", "a list of tensors", [&] {
     ar(cereal::make_nvp("tensors", detail::archive_node{[&](auto& node) {
          cereal::size_type count = 0;
          node(cereal::make_size_tag(count));
          // A text archive's count is the length of an array it has parsed; a binary archive's
-         // may be forged, so there the list grows only as tensors actually arrive.
-         if constexpr (detail::is_text_archive<Archive>) loaded.tensors.reserve(static_cast<std::size_t>(count));
+         // may be forged, so there the list reserves only what the remaining input can hold.
+         if constexpr (detail::is_text_archive<Archive>) {
+           loaded.tensors.reserve(static_cast<std::size_t>(count));
+         } else if (const auto remaining = detail::remaining_input(node)) {
+           const std::uint64_t room = *remaining / detail::min_binary_tensor_bytes;
+           loaded.tensors.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(count, room)));
+         }
          for (cereal::size_type i = 0; i < count; ++i) {
            tensor_record tensor;
            node(tensor);
@@ -482,7 +492,7 @@ void save(Archive& ar, const weighted_accumulation_state& state, const std::uint
 template <class Archive>
 void load(Archive& ar, weighted_accumulation_state& state, const std::uint32_t version) {
   detail::check_format_version(version, "an accumulation state");
-  const detail::load_site site{errc::invalid_state, "accumulation state", {}};
+  const detail::load_site site{errc::invalid_state, "accumulation state"};
   weighted_accumulation_state loaded;
   loaded.dtype = detail::load_dtype(ar, site);
   loaded.loss_scale = detail::load_real(ar, site, "loss_scale");
@@ -507,9 +517,9 @@ void load(Archive& ar, weighted_gradients_record& record, const std::uint32_t ve
   detail::check_format_version(version, "a weighted gradients record");
   weighted_gradients_record loaded;
   // The state comes first, so a reader learns the work dtype before any tensor.
-  detail::read_field<Archive>({errc::invalid_state, "weighted gradients record", {}}, "state",
+  detail::read_field<Archive>({errc::invalid_state, "weighted gradients record"}, "state",
                               "an accumulation state", [&] { ar(cereal::make_nvp("state", loaded.state)); });
-  detail::read_field<Archive>({errc::invalid_record, "weighted gradients record", {}}, "gradients",
+  detail::read_field<Archive>({errc::invalid_record, "weighted gradients record"}, "gradients",
                               "a gradients record", [&] { ar(cereal::make_nvp("gradients", loaded.gradients)); });
   validate(loaded);
   record = std::move(loaded);
