@@ -79,17 +79,11 @@ class gradients_accumulator {
   /// sequential divisions, never one by the product.
   void divide_pending(double first, double second) noexcept {
     for (auto& e : pending_.entries_) {
-      std::visit(
-          [&](auto& value) {
-            using W = detail::element_of<B, decltype(value)>;
-            // Nested: naming tensor<W> for a view's W = void breaks backends such as xtensor.
-            if constexpr (std::is_same_v<W, float> || std::is_same_v<W, double>) {
-              if constexpr (std::is_same_v<std::remove_cvref_t<decltype(value)>, tensor<W>>) {
-                B::divide(value, static_cast<W>(first), static_cast<W>(second));
-              }
-            }
-          },
-          e.value);
+      if (auto* f32 = std::get_if<tensor<float>>(&e.value)) {
+        B::divide(*f32, static_cast<float>(first), static_cast<float>(second));
+      } else if (auto* f64 = std::get_if<tensor<double>>(&e.value)) {
+        B::divide(*f64, first, second);
+      }
     }
   }
 

@@ -243,7 +243,9 @@ class gradients_params {
 
   /// @brief The dtype of a stored gradient.
   static float_dtype dtype_of_value(const value_type& value) noexcept {
-    return detail::visit_gradient([](const auto& v) { return dtype_of<detail::element_of<B, decltype(v)>>; }, value);
+    // Alternatives are the tensors of every element type, then (if any) their views.
+    constexpr auto dtypes = detail::dtypes_of(typename B::element_types{});
+    return dtypes[value.index() % dtypes.size()];
   }
 
  private:

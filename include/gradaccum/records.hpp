@@ -68,7 +68,10 @@ constexpr std::size_t values_index(float_dtype dtype) noexcept {
 }
 
 inline std::size_t values_size(const record_values& values) noexcept {
-  return std::visit([](const auto& v) { return v.size(); }, values);
+  if (const auto* bits = std::get_if<std::vector<std::uint16_t>>(&values)) return bits->size();
+  if (const auto* f32 = std::get_if<std::vector<float>>(&values)) return f32->size();
+  const auto* f64 = std::get_if<std::vector<double>>(&values);
+  return f64 ? f64->size() : 0;
 }
 
 /// Shape of a record entry as a `tensor_shape`.

@@ -2,8 +2,10 @@
 /// @file
 /// @brief The variant that holds one gradient of any supported element type, owned or viewed.
 
+#include <array>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <variant>
 
 #include "gradaccum/backend.hpp"
@@ -17,7 +19,7 @@ template <class V>
 struct view_slot {
   V view;
 
-  explicit view_slot(const V& v) noexcept(std::is_nothrow_copy_constructible_v<V>) : view(v) {}
+  explicit view_slot(V v) noexcept(std::is_nothrow_move_constructible_v<V>) : view(std::move(v)) {}
   view_slot(const view_slot&) = default;
   view_slot(view_slot&&) noexcept = default;
   view_slot& operator=(const view_slot& other) noexcept(std::is_nothrow_copy_constructible_v<V>) {
@@ -83,6 +85,12 @@ using element_of = typename element_of_impl<B, std::remove_cvref_t<X>, typename 
 
 template <class B, class X>
 concept is_gradient_alternative = !std::is_void_v<element_of<B, X>>;
+
+/// The dtypes of a list of element types, in order.
+template <class... Ts>
+constexpr std::array<float_dtype, sizeof...(Ts)> dtypes_of(type_list<Ts...> /*types*/) noexcept {
+  return {dtype_of<Ts>...};
+}
 
 /// The backend element type whose dtype is `D`, else void.
 template <class List, float_dtype D>
