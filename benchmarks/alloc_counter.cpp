@@ -17,10 +17,14 @@
 
 namespace {
 std::atomic<std::uint64_t> allocation_count{0};
-inline void count_one() noexcept { allocation_count.fetch_add(1, std::memory_order_relaxed); }
+inline void count_one() noexcept {
+  allocation_count.fetch_add(1, std::memory_order_relaxed);
+}
 }  // namespace
 
-std::uint64_t ga_bench::allocations() noexcept { return allocation_count.load(std::memory_order_relaxed); }
+std::uint64_t ga_bench::allocations() noexcept {
+  return allocation_count.load(std::memory_order_relaxed);
+}
 
 #if defined(__GLIBC__) && !defined(GRADACCUM_BENCH_COUNT_OPERATOR_NEW)
 
@@ -44,7 +48,9 @@ void* realloc(void* p, std::size_t size) noexcept {
   count_one();
   return __libc_realloc(p, size);
 }
-void free(void* p) noexcept { __libc_free(p); }
+void free(void* p) noexcept {
+  __libc_free(p);
+}
 void* memalign(std::size_t alignment, std::size_t size) noexcept {
   count_one();
   return __libc_memalign(alignment, size);
@@ -79,33 +85,81 @@ void* counted_new_aligned(std::size_t size, std::align_val_t alignment) {
 }
 }  // namespace
 
-void* operator new(std::size_t size) { return counted_new(size); }
-void* operator new[](std::size_t size) { return counted_new(size); }
+void* operator new(std::size_t size) {
+  return counted_new(size);
+}
+void* operator new[](std::size_t size) {
+  return counted_new(size);
+}
 void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  try { return counted_new(size); } catch (...) { return nullptr; }
+  try {
+    return counted_new(size);
+  } catch (...) {
+    return nullptr;
+  }
 }
 void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
-  try { return counted_new(size); } catch (...) { return nullptr; }
+  try {
+    return counted_new(size);
+  } catch (...) {
+    return nullptr;
+  }
 }
-void* operator new(std::size_t size, std::align_val_t a) { return counted_new_aligned(size, a); }
-void* operator new[](std::size_t size, std::align_val_t a) { return counted_new_aligned(size, a); }
+void* operator new(std::size_t size, std::align_val_t a) {
+  return counted_new_aligned(size, a);
+}
+void* operator new[](std::size_t size, std::align_val_t a) {
+  return counted_new_aligned(size, a);
+}
 void* operator new(std::size_t size, std::align_val_t a, const std::nothrow_t&) noexcept {
-  try { return counted_new_aligned(size, a); } catch (...) { return nullptr; }
+  try {
+    return counted_new_aligned(size, a);
+  } catch (...) {
+    return nullptr;
+  }
 }
 void* operator new[](std::size_t size, std::align_val_t a, const std::nothrow_t&) noexcept {
-  try { return counted_new_aligned(size, a); } catch (...) { return nullptr; }
+  try {
+    return counted_new_aligned(size, a);
+  } catch (...) {
+    return nullptr;
+  }
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
 
 #endif

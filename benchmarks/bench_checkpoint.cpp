@@ -62,7 +62,9 @@ struct window {
   [[nodiscard]] std::size_t bytes() const noexcept { return count * elements * sizeof(float); }
 };
 
-std::string layout_name(std::size_t count) { return count == 1 ? "1_tensor" : std::to_string(count) + "_tensors"; }
+std::string layout_name(std::size_t count) {
+  return count == 1 ? "1_tensor" : std::to_string(count) + "_tensors";
+}
 
 std::filesystem::path file_for(const std::string& stem, checkpoint_format format) {
   const char* extension = format == checkpoint_format::binary            ? ".bin"

@@ -40,9 +40,12 @@ std::size_t parse_bytes(const std::string& text) {
   double scale = 1;
   if (end < text.size()) {
     switch (text[end]) {
-      case 'k': case 'K': scale = KiB; break;
-      case 'm': case 'M': scale = MiB; break;
-      case 'g': case 'G': scale = 1024.0 * MiB; break;
+      case 'k':
+      case 'K': scale = KiB; break;
+      case 'm':
+      case 'M': scale = MiB; break;
+      case 'g':
+      case 'G': scale = 1024.0 * MiB; break;
       default: throw std::invalid_argument("bad size suffix in '" + text + "'");
     }
   }

@@ -87,9 +87,13 @@ inline const std::vector<std::size_t>& accumulate_sizes() {
 }
 
 /// "in cache" sizes: the only ones where the plain xtensor `+=` (a temporary per call) runs.
-inline bool small_size(std::size_t bytes) noexcept { return bytes <= 4 * MiB; }
+inline bool small_size(std::size_t bytes) noexcept {
+  return bytes <= 4 * MiB;
+}
 
-inline bool size_enabled(std::size_t bytes) noexcept { return bytes <= opts().max_bytes; }
+inline bool size_enabled(std::size_t bytes) noexcept {
+  return bytes <= opts().max_bytes;
+}
 
 /// @brief Registers `fn` as `<name>/<bytes>` with the suite-wide settings (real time,
 /// nanoseconds, min time by size).
@@ -135,17 +139,25 @@ void manual_loop(benchmark::State& state, Prepare&& prepare, Body&& body) {
 template <class T>
 constexpr std::string_view dtype_name();
 template <>
-constexpr std::string_view dtype_name<float>() { return "f32"; }
+constexpr std::string_view dtype_name<float>() {
+  return "f32";
+}
 template <>
-constexpr std::string_view dtype_name<double>() { return "f64"; }
+constexpr std::string_view dtype_name<double>() {
+  return "f64";
+}
 
 /// Tags for the 16-bit inputs; the buffers hold their raw bit patterns (std::uint16_t).
 struct f16_bits {};
 struct bf16_bits {};
 template <>
-constexpr std::string_view dtype_name<f16_bits>() { return "f16"; }
+constexpr std::string_view dtype_name<f16_bits>() {
+  return "f16";
+}
 template <>
-constexpr std::string_view dtype_name<bf16_bits>() { return "bf16"; }
+constexpr std::string_view dtype_name<bf16_bits>() {
+  return "bf16";
+}
 
 /// Storage type of an incoming element: the type itself, or the bits for 16-bit tags.
 template <class In>
@@ -239,7 +251,7 @@ inline std::uint16_t float_to_f16_bits(float value) noexcept {
   if (abs >= 0x7f800000U) return static_cast<std::uint16_t>(sign | 0x7c00U | (abs > 0x7f800000U ? 0x200U : 0U));
   if (abs >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);  // rounds past 65504
   if (abs < 0x38800000U) {                                                    // subnormal or zero half
-    const float scaled = std::bit_cast<float>(abs) * 0x1p24F;                // exact multiple of 2^-24 units
+    const float scaled = std::bit_cast<float>(abs) * 0x1p24F;                 // exact multiple of 2^-24 units
     return static_cast<std::uint16_t>(sign | static_cast<std::uint32_t>(std::nearbyint(scaled)));
   }
   const std::uint32_t rounded = abs + 0xfffU + ((abs >> 13) & 1U);
@@ -265,7 +277,9 @@ inline float f16_bits_to_float(std::uint16_t h) noexcept {
 }
 
 /// @brief bfloat16 bits -> float: a 16-bit shift.
-inline float bf16_bits_to_float(std::uint16_t h) noexcept { return std::bit_cast<float>(std::uint32_t{h} << 16); }
+inline float bf16_bits_to_float(std::uint16_t h) noexcept {
+  return std::bit_cast<float>(std::uint32_t{h} << 16);
+}
 
 template <class W, class In>
 inline W to_work(storage_t<In> g) noexcept {

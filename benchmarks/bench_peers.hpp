@@ -14,8 +14,8 @@ namespace ga_bench {
 void init_peers();
 
 // accumulate (bench_accumulate)
-void register_eigen_native(const accumulate_case& c);    // peers_eigen.cpp
-void register_xtensor_native(const accumulate_case& c);  // peers_xtensor.cpp
+void register_eigen_native(const accumulate_case& c);      // peers_eigen.cpp
+void register_xtensor_native(const accumulate_case& c);    // peers_xtensor.cpp
 void register_torch_accumulate(const accumulate_case& c);  // peers_torch.cpp
 void register_ours_accumulate(const accumulate_case& c);   // ours.cpp
 

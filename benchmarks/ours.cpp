@@ -53,7 +53,9 @@ void accumulate_loop(benchmark::State& state, const accumulate_case& c, const gr
   state.counters["threads"] = openmp_threads();  // the pool gradaccum may split large tensors over
 }
 
-std::string param_name(std::size_t i) { return "blocks." + std::to_string(i) + ".mlp.weight"; }
+std::string param_name(std::size_t i) {
+  return "blocks." + std::to_string(i) + ".mlp.weight";
+}
 
 /// What the generic cases need from each backend: its row name, the element type of a
 /// benchmark dtype, and a read-only view of n contiguous elements.

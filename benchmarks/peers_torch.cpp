@@ -38,8 +38,8 @@ constexpr torch_shim::dtype shim_dtype() {
 template <class W, class In>
 void accumulate(benchmark::State& state, accumulate_case c, int threads) {
   const std::size_t n = c.elements();
-  torch_shim::accumulate(state, pool().work<W>(n), shim_dtype<W>(), pool().gradient<In>(n), shim_dtype<In>(), n,
-                         c.mean, mean_weight, threads, opts().torch_threads);
+  torch_shim::accumulate(state, pool().work<W>(n), shim_dtype<W>(), pool().gradient<In>(n), shim_dtype<In>(), n, c.mean,
+                         mean_weight, threads, opts().torch_threads);
   state.counters["bytes"] = accumulate_bytes<W, In>(n);
   state.counters["threads"] = threads;
 }

@@ -55,8 +55,12 @@ void timed(benchmark::State& state, Body&& body) {
 
 }  // namespace
 
-int default_threads() { return at::get_num_threads(); }
-void set_threads(int threads) { at::set_num_threads(threads); }
+int default_threads() {
+  return at::get_num_threads();
+}
+void set_threads(int threads) {
+  at::set_num_threads(threads);
+}
 
 void accumulate(benchmark::State& state, void* acc, dtype acc_type, const void* g, dtype g_type, std::size_t n,
                 bool scaled, double alpha, int threads, int restore_threads) {

@@ -51,10 +51,14 @@ gradients_params_record edge_values() {
   return {{
       {"a.f16", float_dtype::f16, {2, 3}, std::vector<std::uint16_t>{0x0000, 0x8000, 0x0001, 0x7bff, 0xfc00, 0x7e00}},
       {"b.bf16", float_dtype::bf16, {3, 1}, std::vector<std::uint16_t>{0x3f80, 0xff80, 0x0001}},
-      {"c.f32", float_dtype::f32, {2, 4},
+      {"c.f32",
+       float_dtype::f32,
+       {2, 4},
        std::vector<float>{0.1F, -0.0F, std::numeric_limits<float>::denorm_min(), f32_max, -f32_inf,
                           std::numeric_limits<float>::quiet_NaN(), 1.0F / 3.0F, -2.5e-38F}},
-      {"d.f64", float_dtype::f64, {1, 5},
+      {"d.f64",
+       float_dtype::f64,
+       {1, 5},
        std::vector<double>{0.1, std::numeric_limits<double>::denorm_min(), -f64_max, -0.0,
                            std::numeric_limits<double>::quiet_NaN()}},
       {"e.empty", float_dtype::f32, {0, 3}, std::vector<float>{}},
@@ -98,8 +102,8 @@ TEST_CASE_TEMPLATE("a weighted record round-trips bit for bit, empty or not, F32
     const auto loaded = load_plain<Archives, weighted_gradients_record>(save_plain<Archives>(record));
     GRADACCUM_CHECK_SAME_BITS(loaded, record);
   }
-  const weighted_gradients_record f64_record{
-      {{{"w", float_dtype::f64, {2, 1}, std::vector<double>{0.1, -1e300}}}}, {float_dtype::f64, 0.5, 1e-300, 9}};
+  const weighted_gradients_record f64_record{{{{"w", float_dtype::f64, {2, 1}, std::vector<double>{0.1, -1e300}}}},
+                                             {float_dtype::f64, 0.5, 1e-300, 9}};
   GRADACCUM_CHECK_SAME_BITS((load_plain<Archives, weighted_gradients_record>(save_plain<Archives>(f64_record))),
                             f64_record);
 }
@@ -134,8 +138,8 @@ TEST_CASE("binary archives keep every bit of a NaN; text archives keep it a NaN"
 }
 
 TEST_CASE("text archives name every field, write dtypes as names and carry the format version") {
-  const weighted_gradients_record record{
-      {{{"fc1.bias", float_dtype::f32, {1, 2}, std::vector<float>{0.5F, -2.0F}}}}, {float_dtype::f32, 1024.0, 3.0, 2}};
+  const weighted_gradients_record record{{{{"fc1.bias", float_dtype::f32, {1, 2}, std::vector<float>{0.5F, -2.0F}}}},
+                                         {float_dtype::f32, 1024.0, 3.0, 2}};
   const std::string json = serialize_checkpoint(record, checkpoint_format::json);
   for (const char* expected :
        {"\"weighted_gradients_record\": {", "\"cereal_class_version\": 1", "\"state\": {", "\"dtype\": \"F32\"",

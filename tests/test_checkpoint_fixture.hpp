@@ -42,8 +42,8 @@ struct microbatch {
 };
 
 /// Unequal weights, a zero-weight microbatch, sums and means.
-inline constexpr std::array<microbatch, 7> microbatches = {{
-    {3.0, false}, {300.0, true}, {0.0, false}, {17.0, true}, {1.0, false}, {42.0, true}, {5.0, false}}};
+inline constexpr std::array<microbatch, 7> microbatches = {
+    {{3.0, false}, {300.0, true}, {0.0, false}, {17.0, true}, {1.0, false}, {42.0, true}, {5.0, false}}};
 
 template <class B>
 parameter_set<B> make_parameters() {

@@ -49,12 +49,24 @@ void* allocate(std::size_t size) {
 }
 }  // namespace
 
-void* operator new(std::size_t size) { return allocate(size); }
-void* operator new[](std::size_t size) { return allocate(size); }
-void operator delete(void* memory) noexcept { std::free(memory); }
-void operator delete[](void* memory) noexcept { std::free(memory); }
-void operator delete(void* memory, std::size_t /*size*/) noexcept { std::free(memory); }
-void operator delete[](void* memory, std::size_t /*size*/) noexcept { std::free(memory); }
+void* operator new(std::size_t size) {
+  return allocate(size);
+}
+void* operator new[](std::size_t size) {
+  return allocate(size);
+}
+void operator delete(void* memory) noexcept {
+  std::free(memory);
+}
+void operator delete[](void* memory) noexcept {
+  std::free(memory);
+}
+void operator delete(void* memory, std::size_t /*size*/) noexcept {
+  std::free(memory);
+}
+void operator delete[](void* memory, std::size_t /*size*/) noexcept {
+  std::free(memory);
+}
 
 using namespace gradaccum;
 using backend = eigen_backend;
@@ -120,10 +132,9 @@ binary_bytes valid_window_bytes() {
   return bytes;
 }
 
-const weighted_gradients_record valid_window{
-    {{{"b", float_dtype::f32, {1, 2}, std::vector<float>{0.5F, -1.0F}},
-      {"w", float_dtype::f32, {2, 3}, std::vector<float>{1, 2, 3, 4, 5, 6}}}},
-    {float_dtype::f32, 1024.0, 7.0, 2}};
+const weighted_gradients_record valid_window{{{{"b", float_dtype::f32, {1, 2}, std::vector<float>{0.5F, -1.0F}},
+                                               {"w", float_dtype::f32, {2, 3}, std::vector<float>{1, 2, 3, 4, 5, 6}}}},
+                                             {float_dtype::f32, 1024.0, 7.0, 2}};
 
 /// Starts a window record: version, a valid F32 state, the gradients' version and `count`.
 binary_bytes window_head(std::uint64_t count) {
@@ -193,17 +204,16 @@ class scratch_file {
 
 std::string extension_of(checkpoint_format format) {
   return format == checkpoint_format::portable_binary ? ".pbin"
-         : format == checkpoint_format::binary       ? ".bin"
-                                                     : "." + std::string(to_string(format));
+         : format == checkpoint_format::binary        ? ".bin"
+                                                      : "." + std::string(to_string(format));
 }
 
 }  // namespace
 
 TEST_CASE("the binary layout is the documented one: fields in order, strings and lists as a size and raw bytes") {
   CHECK(valid_window_bytes().str() == serialize_checkpoint(valid_window, checkpoint_format::binary));
-  GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(valid_window_bytes().str(),
-                                                                        checkpoint_format::binary),
-                            valid_window);
+  GRADACCUM_CHECK_SAME_BITS(
+      parse_checkpoint<weighted_gradients_record>(valid_window_bytes().str(), checkpoint_format::binary), valid_window);
 }
 
 TEST_CASE("every truncation is refused with a named problem, and a failed load changes nothing") {
@@ -289,19 +299,36 @@ TEST_CASE("absurd counts, lengths and shapes are refused before anything of thei
   const std::vector<forged> cases = {
       {"tensor count", window_head(huge).str(), errc::invalid_record, "", {"'tensors'", "truncated"}},
       {"id length", window_head(1).u32(1).u64(huge).str(), errc::invalid_record, "", {"'id'", "bytes left"}},
-      {"dtype name length", window_head(1).u32(1).text("w").u64(1000).str(), errc::invalid_record, "w",
+      {"dtype name length",
+       window_head(1).u32(1).text("w").u64(1000).str(),
+       errc::invalid_record,
+       "w",
        {"'dtype'", "1000 bytes, more than the 8 allowed"}},
-      {"rank", window_head(1).u32(1).text("w").text("F32").u64(huge).str(), errc::invalid_record, "w",
+      {"rank",
+       window_head(1).u32(1).text("w").text("F32").u64(huge).str(),
+       errc::invalid_record,
+       "w",
        {"rank 1152921504606846976", "supported 8"}},
-      {"overflowing shape", window_head(1).tensor_head(true, "w", "F32", {1u << 31, 1u << 31, 1u << 31}).str(),
-       errc::invalid_record, "w", {"[2147483648, 2147483648, 2147483648]", "overflows"}},
+      {"overflowing shape",
+       window_head(1).tensor_head(true, "w", "F32", {1u << 31, 1u << 31, 1u << 31}).str(),
+       errc::invalid_record,
+       "w",
+       {"[2147483648, 2147483648, 2147483648]", "overflows"}},
       {"values for a huge shape",
        window_head(1).tensor_head(true, "w", "F32", {1000000, 1000000}).u64(1000000000000).str(),
-       errc::invalid_record, "w", {"1000000000000 elements of 4 bytes", "'values'", "bytes left"}},
-      {"count that disagrees with the shape", window_head(1).tensor_head(true, "w", "F32", {2, 3}).u64(7).str(),
-       errc::invalid_record, "w", {"declares 7 values for shape [2, 3] of 6 elements"}},
-      {"values cut short", window_head(1).tensor_head(true, "w", "F32", {2, 3}).floats({1, 2}).str(),
-       errc::invalid_record, "w", {"declares 2 values for shape [2, 3]"}},
+       errc::invalid_record,
+       "w",
+       {"1000000000000 elements of 4 bytes", "'values'", "bytes left"}},
+      {"count that disagrees with the shape",
+       window_head(1).tensor_head(true, "w", "F32", {2, 3}).u64(7).str(),
+       errc::invalid_record,
+       "w",
+       {"declares 7 values for shape [2, 3] of 6 elements"}},
+      {"values cut short",
+       window_head(1).tensor_head(true, "w", "F32", {2, 3}).floats({1, 2}).str(),
+       errc::invalid_record,
+       "w",
+       {"declares 2 values for shape [2, 3]"}},
   };
   for (const forged& f : cases) {
     CAPTURE(f.what);
@@ -318,9 +345,8 @@ TEST_CASE("absurd counts, lengths and shapes are refused before anything of thei
     // Knowing the remaining input, nothing larger than it (plus the message) is allocated.
     CHECK(largest <= f.bytes.size() + 1024);
     // A plain archive does not know it: memory still grows only with what actually arrived.
-    const std::size_t plain = largest_allocation_of([&] {
-      CHECK_THROWS((void)test::load_plain<test::binary_archives, weighted_gradients_record>(f.bytes));
-    });
+    const std::size_t plain = largest_allocation_of(
+        [&] { CHECK_THROWS((void)test::load_plain<test::binary_archives, weighted_gradients_record>(f.bytes)); });
     CHECK(plain <= 2 * f.bytes.size() + 8192);
   }
 }
@@ -355,8 +381,7 @@ TEST_CASE("negative, fractional or NaN counters and scales are refused as invali
                 {"'microbatches'", "'-1' is not a non-negative integer"});
   check_refused(json_state("\"total_weight\": 7.0", "\"total_weight\": NaN"), as_json, errc::invalid_state, "",
                 {"total weight"});
-  check_refused(xml_state("<total_weight>7<", "<total_weight>nan<"), as_xml, errc::invalid_state, "",
-                {"total weight"});
+  check_refused(xml_state("<total_weight>7<", "<total_weight>nan<"), as_xml, errc::invalid_state, "", {"total weight"});
   check_refused(json_state("\"total_weight\": 7.0", "\"total_weight\": -7.0"), as_json, errc::invalid_state, "",
                 {"total weight -7"});
   check_refused(json_state("\"loss_scale\": 1024.0", "\"loss_scale\": -Infinity"), as_json, errc::invalid_state, "",
@@ -429,8 +454,7 @@ TEST_CASE("a format version other than this build's is refused for every record 
   for (int occurrence = 0; occurrence < 4; ++occurrence) {
     CAPTURE(types[occurrence]);
     check_refused(replaced(json, "\"cereal_class_version\": 1", "\"cereal_class_version\": 0", occurrence),
-                  checkpoint_format::json, errc::invalid_record, "",
-                  {types[occurrence], "format version 0"});
+                  checkpoint_format::json, errc::invalid_record, "", {types[occurrence], "format version 0"});
   }
   const std::string xml = serialize_checkpoint(valid_window, checkpoint_format::xml);
   check_refused(replaced(xml, "<cereal_class_version>1<", "<cereal_class_version>7<", 3), checkpoint_format::xml,
@@ -454,7 +478,7 @@ TEST_CASE("values a text archive cannot hold for their dtype are refused") {
   }
   const std::string half_xml = serialize_checkpoint(half, checkpoint_format::xml);
   CHECK_THROWS_AS((void)parse_checkpoint<gradients_params_record>(replaced(half_xml, ">15360<", ">-4294901761<"),
-                                                                   checkpoint_format::xml),
+                                                                  checkpoint_format::xml),
                   error);
 }
 

@@ -67,9 +67,10 @@ int main(int argc, char** argv) {
     } else if (mode == "save-loop" && argc == 4) {
       save_loop(argv[2], std::stoull(argv[3]));
     } else {
-      std::fputs("usage: checkpoint_helper write-window PATH FORMAT K | continue-window PATH FORMAT OUT | "
-                 "save-loop PATH GENERATION\n",
-                 stderr);
+      std::fputs(
+          "usage: checkpoint_helper write-window PATH FORMAT K | continue-window PATH FORMAT OUT | "
+          "save-loop PATH GENERATION\n",
+          stderr);
       return 2;
     }
   } catch (const std::exception& e) {

@@ -13,9 +13,7 @@
 
 template <>
 struct doctest::StringMaker<gradaccum::checkpoint_format> {
-  static doctest::String convert(gradaccum::checkpoint_format format) {
-    return std::string(to_string(format)).c_str();
-  }
+  static doctest::String convert(gradaccum::checkpoint_format format) { return std::string(to_string(format)).c_str(); }
 };
 
 namespace gradaccum::test {
@@ -63,6 +61,6 @@ TYPE_TO_STRING(gradaccum::test::json_archives);
 TYPE_TO_STRING(gradaccum::test::xml_archives);
 
 /// @brief Every archive, for `TEST_CASE_TEMPLATE`.
-#define GRADACCUM_TEST_ARCHIVES                                                                    \
-  gradaccum::test::binary_archives, gradaccum::test::portable_binary_archives,                     \
-      gradaccum::test::json_archives, gradaccum::test::xml_archives
+#define GRADACCUM_TEST_ARCHIVES                                                                                \
+  gradaccum::test::binary_archives, gradaccum::test::portable_binary_archives, gradaccum::test::json_archives, \
+      gradaccum::test::xml_archives

@@ -225,8 +225,8 @@ void load_raw(Archive& ar, Container& out, std::uint64_t count, const load_site&
       static_cast<std::uint64_t>(std::numeric_limits<std::ptrdiff_t>::max()) / sizeof(T);
   const std::optional<std::uint64_t> remaining = remaining_input(ar);
   if (count > addressable || (remaining && count > *remaining / sizeof(T))) {
-    site.fail("declares " + std::to_string(count) + " elements of " + std::to_string(sizeof(T)) +
-              " bytes in field '" + std::string(field) + "', more than " +
+    site.fail("declares " + std::to_string(count) + " elements of " + std::to_string(sizeof(T)) + " bytes in field '" +
+              std::string(field) + "', more than " +
               (remaining ? "the " + std::to_string(*remaining) + " bytes left hold: the input is truncated or corrupt."
                          : std::string("memory can address.")));
   }
@@ -265,8 +265,8 @@ std::uint64_t load_unsigned(Archive& ar, const load_site& site, const char* fiel
     }
   });
   if (value > max) {
-    site.fail("has " + std::string(field != nullptr ? "a field '" + std::string(field) + "'" : "an element") +
-              " of " + std::to_string(value) + ", more than the largest allowed " + std::to_string(max) + ".");
+    site.fail("has " + std::string(field != nullptr ? "a field '" + std::string(field) + "'" : "an element") + " of " +
+              std::to_string(value) + ", more than the largest allowed " + std::to_string(max) + ".");
   }
   return value;
 }
@@ -391,11 +391,12 @@ void save(Archive& ar, const tensor_record& tensor, const std::uint32_t /*versio
   detail::save_string(ar, "id", tensor.id);
   detail::save_string(ar, "dtype", std::string(to_string(tensor.dtype)));
   ar(cereal::make_nvp("shape", detail::archive_node{[&](auto& node) {
-       detail::save_elements(node, std::span<const std::uint64_t>(tensor.shape));
-     }}));
+                        detail::save_elements(node, std::span<const std::uint64_t>(tensor.shape));
+                      }}));
   ar(cereal::make_nvp("values", detail::archive_node{[&](auto& node) {
-       std::visit([&](const auto& values) { detail::save_elements(node, std::span(values)); }, tensor.values);
-     }}));
+                        std::visit([&](const auto& values) { detail::save_elements(node, std::span(values)); },
+                                   tensor.values);
+                      }}));
 }
 
 template <class Archive>
@@ -409,14 +410,14 @@ void load(Archive& ar, tensor_record& tensor, const std::uint32_t version) {
 
   detail::read_field<Archive>(site, "shape", "a list of dimensions", [&] {
     ar(cereal::make_nvp("shape", detail::archive_node{[&](auto& node) {
-         cereal::size_type rank = 0;
-         node(cereal::make_size_tag(rank));
-         if (rank > max_rank) {
-           site.fail("has rank " + std::to_string(rank) + ", more than the supported " + std::to_string(max_rank) +
-                     ".");
-         }
-         detail::load_elements(node, loaded.shape, rank, site, "shape");
-       }}));
+                          cereal::size_type rank = 0;
+                          node(cereal::make_size_tag(rank));
+                          if (rank > max_rank) {
+                            site.fail("has rank " + std::to_string(rank) + ", more than the supported " +
+                                      std::to_string(max_rank) + ".");
+                          }
+                          detail::load_elements(node, loaded.shape, rank, site, "shape");
+                        }}));
   });
   const tensor_shape shape = detail::record_shape(loaded);
   const std::optional<std::size_t> elements = shape.checked_element_count();
@@ -424,16 +425,17 @@ void load(Archive& ar, tensor_record& tensor, const std::uint32_t version) {
 
   detail::read_field<Archive>(site, "values", "a list of numbers", [&] {
     ar(cereal::make_nvp("values", detail::archive_node{[&](auto& node) {
-         cereal::size_type count = 0;
-         node(cereal::make_size_tag(count));
-         if (count != *elements) {
-           site.fail("declares " + std::to_string(count) + " values for shape " + shape.to_string() + " of " +
-                     std::to_string(*elements) + " elements.");
-         }
-         detail::visit_stored_type(loaded.dtype, [&]<class S>() {
-           detail::load_elements(node, loaded.values.template emplace<std::vector<S>>(), count, site, "values");
-         });
-       }}));
+                          cereal::size_type count = 0;
+                          node(cereal::make_size_tag(count));
+                          if (count != *elements) {
+                            site.fail("declares " + std::to_string(count) + " values for shape " + shape.to_string() +
+                                      " of " + std::to_string(*elements) + " elements.");
+                          }
+                          detail::visit_stored_type(loaded.dtype, [&]<class S>() {
+                            detail::load_elements(node, loaded.values.template emplace<std::vector<S>>(), count, site,
+                                                  "values");
+                          });
+                        }}));
   });
   tensor = std::move(loaded);
 }
@@ -445,9 +447,9 @@ template <class Archive>
 void save(Archive& ar, const gradients_params_record& record, const std::uint32_t /*version*/) {
   validate(record);
   ar(cereal::make_nvp("tensors", detail::archive_node{[&](auto& node) {
-       node(cereal::make_size_tag(static_cast<cereal::size_type>(record.tensors.size())));
-       for (const tensor_record& tensor : record.tensors) node(tensor);
-     }}));
+                        node(cereal::make_size_tag(static_cast<cereal::size_type>(record.tensors.size())));
+                        for (const tensor_record& tensor : record.tensors) node(tensor);
+                      }}));
 }
 
 template <class Archive>
@@ -457,22 +459,22 @@ void load(Archive& ar, gradients_params_record& record, const std::uint32_t vers
   gradients_params_record loaded;
   detail::read_field<Archive>(site, "tensors", "a list of tensors", [&] {
     ar(cereal::make_nvp("tensors", detail::archive_node{[&](auto& node) {
-         cereal::size_type count = 0;
-         node(cereal::make_size_tag(count));
-         // A text archive's count is the length of an array it has parsed; a binary archive's
-         // may be forged, so there the list reserves only what the remaining input can hold.
-         if constexpr (detail::is_text_archive<Archive>) {
-           loaded.tensors.reserve(static_cast<std::size_t>(count));
-         } else if (const auto remaining = detail::remaining_input(node)) {
-           const std::uint64_t room = *remaining / detail::min_binary_tensor_bytes;
-           loaded.tensors.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(count, room)));
-         }
-         for (cereal::size_type i = 0; i < count; ++i) {
-           tensor_record tensor;
-           node(tensor);
-           loaded.tensors.push_back(std::move(tensor));
-         }
-       }}));
+                          cereal::size_type count = 0;
+                          node(cereal::make_size_tag(count));
+                          // A text archive's count is the length of an array it has parsed; a binary archive's
+                          // may be forged, so there the list reserves only what the remaining input can hold.
+                          if constexpr (detail::is_text_archive<Archive>) {
+                            loaded.tensors.reserve(static_cast<std::size_t>(count));
+                          } else if (const auto remaining = detail::remaining_input(node)) {
+                            const std::uint64_t room = *remaining / detail::min_binary_tensor_bytes;
+                            loaded.tensors.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(count, room)));
+                          }
+                          for (cereal::size_type i = 0; i < count; ++i) {
+                            tensor_record tensor;
+                            node(tensor);
+                            loaded.tensors.push_back(std::move(tensor));
+                          }
+                        }}));
   });
   validate(loaded);
   record = std::move(loaded);
@@ -517,10 +519,10 @@ void load(Archive& ar, weighted_gradients_record& record, const std::uint32_t ve
   detail::check_format_version(version, "a weighted gradients record");
   weighted_gradients_record loaded;
   // The state comes first, so a reader learns the work dtype before any tensor.
-  detail::read_field<Archive>({errc::invalid_state, "weighted gradients record"}, "state",
-                              "an accumulation state", [&] { ar(cereal::make_nvp("state", loaded.state)); });
-  detail::read_field<Archive>({errc::invalid_record, "weighted gradients record"}, "gradients",
-                              "a gradients record", [&] { ar(cereal::make_nvp("gradients", loaded.gradients)); });
+  detail::read_field<Archive>({errc::invalid_state, "weighted gradients record"}, "state", "an accumulation state",
+                              [&] { ar(cereal::make_nvp("state", loaded.state)); });
+  detail::read_field<Archive>({errc::invalid_record, "weighted gradients record"}, "gradients", "a gradients record",
+                              [&] { ar(cereal::make_nvp("gradients", loaded.gradients)); });
   validate(loaded);
   record = std::move(loaded);
 }

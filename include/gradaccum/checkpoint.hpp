@@ -96,17 +96,17 @@ inline checkpoint_format checkpoint_format_for(const std::filesystem::path& path
   if (extension == ".pbin") return checkpoint_format::portable_binary;
   if (extension == ".json") return checkpoint_format::json;
   if (extension == ".xml") return checkpoint_format::xml;
-  throw std::filesystem::filesystem_error(
-      "gradaccum: cannot tell a checkpoint format from the extension '" + extension +
-          "'; use .bin, .pbin, .json or .xml, or pass a checkpoint_format",
-      path, std::make_error_code(std::errc::invalid_argument));
+  throw std::filesystem::filesystem_error("gradaccum: cannot tell a checkpoint format from the extension '" +
+                                              extension +
+                                              "'; use .bin, .pbin, .json or .xml, or pass a checkpoint_format",
+                                          path, std::make_error_code(std::errc::invalid_argument));
 }
 
 /// @brief The records a checkpoint holds.
 template <class R>
-concept checkpoint_record = std::is_same_v<R, weighted_gradients_record> ||
-                            std::is_same_v<R, gradients_params_record> ||
-                            std::is_same_v<R, weighted_accumulation_state>;
+concept checkpoint_record =
+    std::is_same_v<R, weighted_gradients_record> || std::is_same_v<R, gradients_params_record> ||
+    std::is_same_v<R, weighted_accumulation_state>;
 
 /// @brief Deepest nesting of objects, arrays or elements a JSON or XML checkpoint may have
 /// (records need 7); cereal's parsers recurse once per level.
@@ -294,9 +294,9 @@ inline void check_text_document(std::string_view bytes, checkpoint_format format
                                    "most 20 digits, and zero is written 0.0.");
   }
   if (result.IsError()) {
-    fail(errc::invalid_record, "checkpoint is not valid JSON: " +
-                                   std::string(json_parser::GetParseError_En(result.Code())) + " (at byte " +
-                                   std::to_string(result.Offset()) + ").");
+    fail(errc::invalid_record,
+         "checkpoint is not valid JSON: " + std::string(json_parser::GetParseError_En(result.Code())) + " (at byte " +
+             std::to_string(result.Offset()) + ").");
   }
 }
 
