@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gradaccum/dtype.hpp"
 
@@ -62,7 +63,8 @@ constexpr float bf16_bits_to_float(std::uint16_t bits) noexcept {
 /// vectorizing loops that bit-cast a class type such as `Eigen::bfloat16` (5x slower).
 template <element_type T>
   requires(sizeof(T) == 2)
-inline std::uint16_t bits_of(const T& value) noexcept {
+constexpr std::uint16_t bits_of(const T& value) noexcept {
+  if (std::is_constant_evaluated()) return std::bit_cast<std::uint16_t>(value);
   std::uint16_t bits = 0;
   std::memcpy(&bits, &value, sizeof bits);
   return bits;
@@ -70,7 +72,7 @@ inline std::uint16_t bits_of(const T& value) noexcept {
 
 /// @brief Converts one element to the work type `W` exactly (16-bit inputs through float).
 template <class W, element_type T>
-inline W to_work(const T& value) noexcept {
+constexpr W to_work(const T& value) noexcept {
   if constexpr (dtype_of<T> == float_dtype::f16) {
     return static_cast<W>(f16_bits_to_float(bits_of(value)));
   } else if constexpr (dtype_of<T> == float_dtype::bf16) {
