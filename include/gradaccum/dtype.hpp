@@ -50,13 +50,13 @@ constexpr bool is_work_dtype(float_dtype dtype) noexcept {
 /// past their largest finite values.
 inline bool representable(double x, float_dtype dtype) noexcept {
   if (!std::isfinite(x)) return false;
+  // Compared before narrowing: converting a double beyond float's range is undefined behaviour.
+  // 0x1.ffffffp127 is the halfway point past the largest float, which rounds to infinity.
+  const bool fits_f32 = std::fabs(x) < 0x1.ffffffp127;
   switch (dtype) {
     case float_dtype::f64: return true;
-    case float_dtype::f32: return std::isfinite(static_cast<float>(x));
-    case float_dtype::bf16: {
-      const auto narrowed = static_cast<float>(x);
-      return std::isfinite(narrowed) && std::fabs(narrowed) < 0x1.ffp127F;
-    }
+    case float_dtype::f32: return fits_f32;
+    case float_dtype::bf16: return fits_f32 && std::fabs(static_cast<float>(x)) < 0x1.ffp127F;
     case float_dtype::f16: return std::fabs(x) < 65520.0;
   }
   return false;
