@@ -111,6 +111,12 @@ void for_ranges(std::size_t count, F&& body) noexcept {
 
 namespace gradaccum::kernels {
 
+// GCC contracts `acc + scale * g` into an FMA under -march=native even in ISO mode, which
+// rounds once instead of twice and breaks the contract (and cross-backend bit identity).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
 /// @brief `acc[i] = acc[i] + scale · W(g[i])` for i in [0, count).
 template <class W, element_type T>
 void add_scaled(W* __restrict acc, const T* __restrict g, std::size_t count, W scale) noexcept {
@@ -122,6 +128,9 @@ void add_scaled(W* __restrict acc, const T* __restrict g, std::size_t count, W s
     }
   });
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 /// @brief `x[i] = (x[i] / first) / second`: two divisions in sequence, never one by their
 /// product (which may overflow) and never a reciprocal multiply (which rounds differently).
