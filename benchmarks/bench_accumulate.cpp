@@ -14,7 +14,9 @@
 namespace ga_bench {
 namespace {
 
-template <class W, class In>
+/// The hand loop, single-threaded or (Threaded, registered only for sizes where gradaccum
+/// splits) on every OpenMP thread.
+template <class W, class In, bool Threaded = false>
 void hand(benchmark::State& state, accumulate_case c) {
   const std::size_t n = c.elements();
   W* acc = pool().work<W>(n);
@@ -23,7 +25,13 @@ void hand(benchmark::State& state, accumulate_case c) {
   {
     alloc_probe probe(state);
     for (auto _ : state) {
-      if (c.mean) {
+      if constexpr (Threaded) {
+        if (c.mean) {
+          hand_accumulate_mt<W, In>(acc, g, n, w);
+        } else {
+          hand_accumulate_sum_mt<W, In>(acc, g, n);
+        }
+      } else if (c.mean) {
         hand_accumulate<W, In>(acc, g, n, w);
       } else {
         hand_accumulate_sum<W, In>(acc, g, n);
@@ -32,28 +40,7 @@ void hand(benchmark::State& state, accumulate_case c) {
     }
   }
   state.counters["bytes"] = accumulate_bytes<W, In>(n);
-}
-
-/// The hand loop on every OpenMP thread; registered only for sizes where gradaccum splits.
-template <class W, class In>
-void hand_mt(benchmark::State& state, accumulate_case c) {
-  const std::size_t n = c.elements();
-  W* acc = pool().work<W>(n);
-  const storage_t<In>* g = pool().gradient<In>(n);
-  const auto w = opaque(static_cast<W>(mean_weight));  // a runtime weight, as in gradaccum
-  {
-    alloc_probe probe(state);
-    for (auto _ : state) {
-      if (c.mean) {
-        hand_accumulate_mt<W, In>(acc, g, n, w);
-      } else {
-        hand_accumulate_sum_mt<W, In>(acc, g, n);
-      }
-      benchmark::ClobberMemory();
-    }
-  }
-  state.counters["bytes"] = accumulate_bytes<W, In>(n);
-  state.counters["threads"] = openmp_threads();
+  if constexpr (Threaded) state.counters["threads"] = openmp_threads();
 }
 
 #ifdef GA_BENCH_HAVE_F16C
@@ -91,7 +78,7 @@ void register_case(const accumulate_case& c) {
   c.visit([&]<class W, class In>() {
     add(base + "hand", c.bytes, [c](benchmark::State& s) { hand<W, In>(s, c); });
 #ifdef _OPENMP
-    if (c.bytes >= 1 * MiB) add(base + "hand_mt", c.bytes, [c](benchmark::State& s) { hand_mt<W, In>(s, c); });
+    if (c.bytes >= 1 * MiB) add(base + "hand_mt", c.bytes, [c](benchmark::State& s) { hand<W, In, true>(s, c); });
 #endif
 #ifdef GA_BENCH_HAVE_F16C
     if constexpr (std::is_same_v<W, float> && std::is_same_v<In, f16_bits>) {

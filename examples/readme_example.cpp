@@ -3,7 +3,7 @@
 #include <gradaccum/gradaccum.hpp>
 #include <iostream>
 
-int main() {
+int main() try {
   using B = gradaccum::eigen_backend;
   Eigen::MatrixXf weight = Eigen::MatrixXf::Zero(2, 3);
   gradaccum::parameter_set<B> params;
@@ -19,4 +19,7 @@ int main() {
   const auto result = window.finish_mean(params);
   // (1·2 + 3·6) / 4 = 5 everywhere; averaging the two means would give 4.
   std::cout << *result.gradients.get<float>("fc.weight") << '\n';
+} catch (const std::exception& e) {  // a gradaccum::error names the call, the problem and the id
+  std::cerr << e.what() << '\n';
+  return 1;
 }

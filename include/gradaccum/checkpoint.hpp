@@ -243,7 +243,7 @@ inline std::size_t xml_depth(std::string_view text) noexcept {
       std::size_t j = i + 1;
       for (; j < text.size(); ++j) {
         if (quote != 0) {
-          quote = text[j] == quote ? 0 : quote;
+          quote = text[j] == quote ? '\0' : quote;
         } else if (text[j] == '"' || text[j] == '\'') {
           quote = text[j];
         } else if (text[j] == '>') {
@@ -657,7 +657,7 @@ template <class Accumulator, class B>
 void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
                      std::optional<checkpoint_format> format = std::nullopt) {
   using record_type = decltype(accumulator.try_to_record());
-  const record_type record = load_checkpoint<record_type>(path, format);
+  const auto record = load_checkpoint<record_type>(path, format);
   try {
     accumulator.load_record(params, record);
   } catch (const error& e) {

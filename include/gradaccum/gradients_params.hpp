@@ -189,7 +189,8 @@ class gradients_params {
                                             float_dtype dtype) const {
     detail::require_work_dtype(dtype);
     detail::require_scalar(multiplier, dtype, false);
-    return transformed_for(params, dtype, [&]<class W>(tensor<W>& t) noexcept {
+    // Not noexcept: the product needs a fresh tensor (0 + m·g, the kernel's own rounding).
+    return transformed_for(params, dtype, [&]<class W>(tensor<W>& t) {
       auto zero = B::template zeros<W>(B::shape(t), B::device(t));
       B::add_scaled(zero, t, static_cast<W>(multiplier));
       t = std::move(zero);
