@@ -353,6 +353,12 @@ TEST_CASE_TEMPLATE("a rejected microbatch changes neither values nor counters", 
       if constexpr (dtype == float_dtype::f32) {
         rejects(good, 0x1p128, errc::invalid_weight, "");   // infinite as a float
         rejects(good, 0x1p-150, errc::invalid_weight, "");  // narrows to 0 as a float
+        try {
+          add(good, 0x1p-150);
+          FAIL_CHECK("a weight that narrows to zero was accepted");
+        } catch (const gradaccum::error& e) {  // the weight as given, not std::to_string's 0.000000
+          CHECK(std::string_view(e.what()).find("weight 7.006492321624085e-46 ") != std::string_view::npos);
+        }
       }
 
       // Every id is validated before any value is touched: "a" is fine and is not added either.

@@ -1,6 +1,7 @@
 /// @file
 /// @brief error.hpp: one exception type whose codes are `std::error_code`s.
 
+#include <limits>
 #include <ostream>  // doctest prints std::error_code through operator<<
 #include <set>
 #include <stdexcept>
@@ -59,4 +60,15 @@ TEST_CASE("gradaccum::error carries its code, the offending id and a message") {
     CHECK(std::string(e.what()) == "full.");
     CHECK(dynamic_cast<const gradaccum::error&>(e).code() == errc::counter_overflow);
   }
+}
+
+TEST_CASE("messages print numbers exactly, in their shortest form") {
+  using gradaccum::detail::number_text;
+  CHECK(number_text(1e-45) == "1e-45");  // std::to_string printed 0.000000
+  CHECK(number_text(-0.1) == "-0.1");
+  CHECK(number_text(1024.0) == "1024");
+  CHECK(number_text(1.0 / 3.0) == "0.3333333333333333");
+  CHECK(number_text(-std::numeric_limits<double>::max()) == "-1.7976931348623157e+308");
+  CHECK(number_text(std::numeric_limits<double>::quiet_NaN()) == "nan");
+  CHECK(number_text(-std::numeric_limits<double>::infinity()) == "-inf");
 }

@@ -2,6 +2,7 @@
 /// @file
 /// @brief The single exception type of the library and its error codes.
 
+#include <charconv>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -70,6 +71,12 @@ namespace detail {
 /// Out of line and cold so that the checks on hot paths stay small.
 [[noreturn]] inline void fail(errc code, const std::string& message, std::string param_id = {}) {
   throw error(code, message, std::move(param_id));
+}
+
+/// The shortest text that reads back as `value` (std::to_string would print 1e-45 as 0.000000).
+inline std::string number_text(double value) {
+  char text[32];  // the shortest round-trip form of a double needs at most 24 characters
+  return {text, std::to_chars(text, text + sizeof text, value).ptr};
 }
 }  // namespace detail
 

@@ -77,7 +77,7 @@ inline void require_work_dtype(float_dtype dtype) {
 inline void require_scalar(double value, float_dtype dtype, bool divisor) {
   const bool narrows_to_zero = dtype == float_dtype::f32 && static_cast<float>(value) == 0.0F && value != 0.0;
   if (!representable(value, dtype) || narrows_to_zero || (divisor && value == 0.0)) {
-    fail(errc::invalid_scalar, std::string(divisor ? "divisor " : "multiplier ") + std::to_string(value) +
+    fail(errc::invalid_scalar, std::string(divisor ? "divisor " : "multiplier ") + detail::number_text(value) +
                                    " is not representable as a " + (divisor ? "non-zero " : "") +
                                    std::string(to_string(dtype)) + " value.");
   }

@@ -141,11 +141,12 @@ inline void validate(const weighted_accumulation_state& state) {
   const bool f32 = state.dtype == float_dtype::f32;
   if (!representable(state.loss_scale, state.dtype) || state.loss_scale <= 0.0 ||
       (f32 && static_cast<float>(state.loss_scale) == 0.0F)) {
-    reject("has loss scale " + std::to_string(state.loss_scale) + ", which is not a positive representable value.");
+    reject("has loss scale " + detail::number_text(state.loss_scale) +
+           ", which is not a positive representable value.");
   }
   if (!representable(state.total_weight, state.dtype) || state.total_weight < 0.0 ||
       (f32 && state.total_weight > 0.0 && static_cast<float>(state.total_weight) == 0.0F)) {
-    reject("has total weight " + std::to_string(state.total_weight) +
+    reject("has total weight " + detail::number_text(state.total_weight) +
            ", which is not a non-negative representable value.");
   }
   if (state.microbatches == 0 && state.total_weight != 0.0) {

@@ -52,7 +52,7 @@ class weighted_gradients_accumulator {
   weighted_gradients_accumulator(float_dtype dtype, double loss_scale) : state_{dtype, loss_scale, 0.0, 0} {
     detail::require_work_dtype(dtype);
     if (loss_scale <= 0.0) {
-      detail::fail(errc::invalid_scalar, "loss scale " + std::to_string(loss_scale) + " is not positive.");
+      detail::fail(errc::invalid_scalar, "loss scale " + detail::number_text(loss_scale) + " is not positive.");
     }
     detail::require_scalar(loss_scale, dtype, true);
   }
@@ -157,13 +157,13 @@ class weighted_gradients_accumulator {
     const bool f32 = dtype == float_dtype::f32;
     if (!(weight >= 0.0) || !representable(weight, dtype) ||
         (f32 && weight > 0.0 && static_cast<float>(weight) == 0.0F)) {
-      detail::fail(errc::invalid_weight, "microbatch weight " + std::to_string(weight) +
+      detail::fail(errc::invalid_weight, "microbatch weight " + detail::number_text(weight) +
                                              " is not a non-negative value representable in " +
                                              std::string(to_string(dtype)) + ".");
     }
     const double total = state_.total_weight + weight;
     if (!representable(total, dtype)) {
-      detail::fail(errc::invalid_weight, "adding weight " + std::to_string(weight) +
+      detail::fail(errc::invalid_weight, "adding weight " + detail::number_text(weight) +
                                              " makes the total weight unrepresentable in " +
                                              std::string(to_string(dtype)) + ".");
     }
