@@ -153,7 +153,12 @@ TEST_CASE("convert widens exactly and narrows F64 to F32 to nearest even") {
   CHECK(exact[1] == -1.0);
 }
 
+// Built a second time with OpenMP (test kernels_openmp, 3 threads): ranges this large are split
+// across the pool, and must give exactly these bits.
 TEST_CASE("large ranges give the bits of the element-by-element loop") {
+#ifdef GRADACCUM_HAS_OPENMP
+  REQUIRE(omp_get_max_threads() > 1);  // otherwise nothing here would run split
+#endif
   std::vector<float> g(large_count);
   std::vector<float> acc(large_count);
   for (std::size_t i = 0; i < large_count; ++i) {
@@ -179,4 +184,21 @@ TEST_CASE("large ranges give the bits of the element-by-element loop") {
 
   acc[large_count - 1] = std::numeric_limits<float>::infinity();
   CHECK_FALSE(kernels::all_finite(acc.data(), large_count));
+
+  // A mixed pair: 16-bit gradients widened into an F64 window, split the same way.
+  std::vector<bf16> brain(large_count);
+  std::vector<double> wide(large_count);
+  for (std::size_t i = 0; i < large_count; ++i) {
+    brain[i].bits = static_cast<std::uint16_t>(0x3c00U + i % 0x3000U);
+    wide[i] = 1.0 / static_cast<double>(i + 1);
+  }
+  std::vector<double> wide_expected = wide;
+  for (std::size_t i = 0; i < large_count; ++i) {
+    const double product = 0.7 * static_cast<double>(std::bit_cast<float>(std::uint32_t{brain[i].bits} << 16));
+    wide_expected[i] = wide_expected[i] + product;
+  }
+  kernels::add_scaled(wide.data(), brain.data(), large_count, 0.7);
+  mismatches = 0;
+  for (std::size_t i = 0; i < large_count; ++i) mismatches += same_bits(wide[i], wide_expected[i]) ? 0 : 1;
+  CHECK(mismatches == 0);
 }
