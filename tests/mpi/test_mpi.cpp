@@ -38,16 +38,7 @@ int world_rank = 0;
 int world_size = 1;
 
 #ifdef GRADACCUM_TEST_HAVE_EIGEN
-/// The Eigen backend with its storage exposed: large tensors are reduced in place and small
-/// ones packed with plain copies.
-struct eigen_host_backend : gradaccum::eigen_backend {
-  template <class T>
-  static T* data(tensor<T>& t) noexcept {
-    return t.data();
-  }
-};
-static_assert(gradaccum::host_memory_backend<eigen_host_backend>);
-#define EIGEN_BACKENDS gradaccum::eigen_backend, eigen_host_backend,
+#define EIGEN_BACKENDS gradaccum::eigen_backend,
 #else
 #define EIGEN_BACKENDS
 #endif
@@ -56,7 +47,9 @@ static_assert(gradaccum::host_memory_backend<eigen_host_backend>);
 #else
 #define XTENSOR_BACKENDS
 #endif
-// The test-only backend has no `data`: its values travel through to_row_major / from_row_major.
+// Eigen and xtensor expose their memory (`host_memory_backend`): large tensors are reduced in
+// place and small ones packed with plain copies. The test-only backend does not: its values
+// travel through to_row_major / from_row_major.
 static_assert(!gradaccum::host_memory_backend<gradaccum::test::vector_backend>);
 static_assert(gradaccum::mpi_reducible_backend<gradaccum::test::vector_backend>);
 
