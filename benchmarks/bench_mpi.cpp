@@ -222,7 +222,7 @@ void register_cases() {
           ->Unit(benchmark::kMillisecond)
           ->Iterations(shape.iterations)
           ->Repetitions(repetitions)
-          ->ReportAggregatesOnly(true);
+          ->DisplayAggregatesOnly(true);
     };
     add("mpi_raw", mpi_raw);
     add("mpi_raw_start", mpi_raw_start);
