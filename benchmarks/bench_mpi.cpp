@@ -15,7 +15,7 @@
 /// hand-written reduction's, and of the non-blocking variant to a raw MPI_Iallreduce's;
 /// `benchmarks/report --only mpi` prints the same with ranges.
 ///
-/// What "ours" pays on top of the raw sum: the agreement (two small collectives), packing the
+/// What "ours" pays on top of the raw sum: the agreement (one small collective here), packing the
 /// small tensors into one buffer and back, and the normalization `(x / s) / w` of every value.
 
 #include <benchmark/benchmark.h>

@@ -122,6 +122,7 @@ struct agreement {
   word_range layout;                         // fingerprint of the parameter set
   word_range dtype;
   word_range loss_scale;  // bit pattern of the double
+  word_range present;     // how many parameters have a gradient
   double total_weight = 0.0;
   std::uint64_t microbatches = 0;  // saturating sum: saturation means overflow
 
@@ -130,6 +131,7 @@ struct agreement {
     layout.combine(other.layout);
     dtype.combine(other.dtype);
     loss_scale.combine(other.loss_scale);
+    present.combine(other.present);
     total_weight += other.total_weight;
     microbatches = other.microbatches > std::numeric_limits<std::uint64_t>::max() - microbatches
                        ? std::numeric_limits<std::uint64_t>::max()
@@ -412,6 +414,7 @@ class allreduce_mean_request {
     agreed.layout = detail::mpi::word_range::of(detail::mpi::layout_fingerprint(params));
     agreed.dtype = detail::mpi::word_range::of(static_cast<std::uint64_t>(sums.state.dtype));
     agreed.loss_scale = detail::mpi::word_range::of(std::bit_cast<std::uint64_t>(sums.state.loss_scale));
+    agreed.present = detail::mpi::word_range::of(sums.gradients.size());
     agreed.total_weight = sums.state.total_weight;
     agreed.microbatches = sums.state.microbatches;
     detail::mpi::allreduce_agreement(agreed, comm);
@@ -419,18 +422,23 @@ class allreduce_mean_request {
     check_agreement(agreed);
     state_ = {sums.state.dtype, sums.state.loss_scale, agreed.total_weight, agreed.microbatches};
 
-    // 3. Presence: one bit per parameter position, OR-ed over the ranks.
-    std::vector<std::uint64_t> present((params.size() + 63) / 64, 0);
-    for (std::size_t position = 0; position < params.size(); ++position) {
-      if (entry_of[position] != no_entry) present[position / 64] |= std::uint64_t{1} << (position % 64);
-    }
-    if (!present.empty()) {
+    // 3. Presence: one bit per parameter position, OR-ed over the ranks. When every rank has a
+    //    gradient for every parameter (the usual case) the OR is known, and every rank skips this
+    //    collective alike. It stays apart from the agreement: its length is the parameter count,
+    //    which the ranks have only just agreed on.
+    const bool everywhere = agreed.present.min() == params.size();
+    std::vector<std::uint64_t> present;
+    if (!everywhere) {
+      present.resize((params.size() + 63) / 64);
+      for (std::size_t position = 0; position < params.size(); ++position) {
+        if (entry_of[position] != no_entry) present[position / 64] |= std::uint64_t{1} << (position % 64);
+      }
       detail::mpi::check(
           MPI_Allreduce(MPI_IN_PLACE, present.data(), static_cast<int>(present.size()), MPI_UINT64_T, MPI_BOR, comm),
           "MPI_Allreduce");
     }
     const auto is_present = [&](std::size_t position) {
-      return ((present[position / 64] >> (position % 64)) & 1U) != 0;
+      return everywhere || ((present[position / 64] >> (position % 64)) & 1U) != 0;
     };
 
     detail::visit_work_dtype(state_.dtype, [&]<class W>() { prepare<W>(params, sums, entry_of, is_present); });
@@ -632,9 +640,10 @@ class allreduce_mean_request {
 /// @brief Starts reducing every rank's window sums over `comm` and returns a request to wait on.
 ///
 /// Collective: every rank of `comm` calls it with its own `sums` (from `finish_sums()`) and the
-/// same parameter set. The agreement (presence, dtype, loss scale, weights; two small collectives)
-/// happens before this returns, so every error below is thrown here, by every rank alike; only the
-/// value sums (`MPI_Iallreduce`) are left in flight.
+/// same parameter set. The agreement (presence, dtype, loss scale, weights; one small collective,
+/// two when some parameter has gradients on some ranks only) happens before this returns, so
+/// every error below is thrown here, by every rank alike; only the value sums (`MPI_Iallreduce`)
+/// are left in flight.
 ///
 /// @throws error(errc::invalid_state) when ranks disagree on the work dtype or the loss scale, or
 /// when a rank's sums are malformed; error(errc::parameter_mismatch) when ranks pass different

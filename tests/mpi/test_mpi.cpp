@@ -206,6 +206,24 @@ TEST_CASE_TEMPLATE("allreduce_mean equals one process accumulating every rank's 
   }
 }
 
+TEST_CASE_TEMPLATE("every parameter present on every rank: the same result without the presence exchange", B,
+                   BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  const auto every_parameter = [](int rank) {
+    gradaccum::gradients_params<B> grads;
+    for (const auto& spec : model()) grads.insert(spec.id, gradient<B, float>(static_cast<std::size_t>(rank), spec));
+    return grads;
+  };
+  gradaccum::weighted_gradients_accumulator<B> mine(float_dtype::f32, loss_scale);
+  mine.accumulate_sum(params, every_parameter(world_rank), world_rank + 1.0);
+  gradaccum::weighted_gradients_accumulator<B> all(float_dtype::f32, loss_scale);
+  for (int rank = 0; rank < world_size; ++rank) all.accumulate_sum(params, every_parameter(rank), rank + 1.0);
+  const auto mean = gradaccum::allreduce_mean(params, mine.finish_sums(), MPI_COMM_WORLD);
+  GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(all.finish_mean(params)));
+  CHECK(mean.gradients.size() == model().size());
+}
+
 TEST_CASE_TEMPLATE("a rank with zero tokens receives the full result and counts its microbatches", B, BACKENDS) {
   INFO("rank " << world_rank << " of " << world_size);
   const auto params = parameters<B>();
