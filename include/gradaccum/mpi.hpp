@@ -52,7 +52,8 @@
 
 namespace gradaccum {
 
-/// @brief A backend whose tensors the MPI reduction can move values in and out of.
+/// @brief A backend whose tensors the MPI reduction can move values in and out of: through their
+/// host memory (`host_memory_backend`, backend.hpp), else through row-major copies.
 template <class B>
 concept mpi_reducible_backend = host_memory_backend<B> || serializable_backend<B>;
 
