@@ -1,6 +1,7 @@
 // Compiled, never run: which types are backends. The built-in and test backends satisfy both
-// concepts (the built-in ones also `host_memory_backend`); a type that lacks or breaks any one required piece satisfies
-// neither (or, lacking a row-major function, only `tensor_backend`). The build fails if any of this stops being true.
+// concepts (the built-in ones also `host_memory_backend`); a type that lacks or breaks any one
+// required piece satisfies neither (or, lacking a row-major function, only `tensor_backend`).
+// The build fails if any of this stops being true.
 // What a user sees for each broken type is checked by the backend_diagnostic tests.
 #include <gradaccum/backend.hpp>
 
