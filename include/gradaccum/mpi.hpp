@@ -263,6 +263,7 @@ class packed_buffer {
  public:
   packed_buffer() noexcept = default;
   explicit packed_buffer(std::size_t count) {
+    if (count == 0) return;  // leaves the kept buffer to a reduction that packs something
     packed_buffer& kept = spare();
     if (kept.capacity_ >= count) {
       data_ = std::move(kept.data_);
