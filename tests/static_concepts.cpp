@@ -1,6 +1,7 @@
 // Compiled, never run: which types are backends. The built-in and test backends satisfy both
-// concepts; a type that lacks or breaks any one required piece satisfies neither (or, lacking a
-// row-major function, only `tensor_backend`). The build fails if any of this stops being true.
+// concepts (the built-in ones also `host_memory_backend`); a type that lacks or breaks any one
+// required piece satisfies neither (or, lacking a row-major function, only `tensor_backend`).
+// The build fails if any of this stops being true.
 // What a user sees for each broken type is checked by the backend_diagnostic tests.
 #include <gradaccum/backend.hpp>
 
@@ -10,11 +11,13 @@
 #if GRADACCUM_TEST_HAVE_EIGEN
 #include <gradaccum/backends/eigen.hpp>
 static_assert(gradaccum::serializable_backend<gradaccum::eigen_backend>);
+static_assert(gradaccum::host_memory_backend<gradaccum::eigen_backend>);
 static_assert(gradaccum::detail::check_backend<gradaccum::eigen_backend>());
 #endif
 #if GRADACCUM_TEST_HAVE_XTENSOR
 #include <gradaccum/backends/xtensor.hpp>
 static_assert(gradaccum::serializable_backend<gradaccum::xtensor_backend>);
+static_assert(gradaccum::host_memory_backend<gradaccum::xtensor_backend>);
 static_assert(gradaccum::detail::check_backend<gradaccum::xtensor_backend>());
 #endif
 
@@ -53,6 +56,10 @@ static_assert(is_no_backend<unsupported_view_instead>);
 // Row-major copies are what records need; without them a backend still accumulates.
 static_assert(is_backend_only<missing_to_row_major>);
 static_assert(is_backend_only<missing_from_row_major>);
+
+// Exposing host memory (`data`) is optional: the test backends do not.
+static_assert(!host_memory_backend<vector_backend>);
+static_assert(!host_memory_backend<minimal_backend>);
 
 // Not backends at all.
 static_assert(is_no_backend<int>);

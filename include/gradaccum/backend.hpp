@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// @brief The backend contract: `tensor_backend` and `serializable_backend`.
+/// @brief The backend contract: `tensor_backend`, `serializable_backend` and `host_memory_backend`.
 ///
 /// A backend is a traits type; the library never names a tensor library. It must provide
 /// (T ranges over `element_types`, which must contain `float` and `double`; W is float or double;
@@ -23,6 +23,8 @@
 ///   static void to_row_major(const tensor<T>&, std::span<T> out);
 ///   template <class T> static tensor<T> from_row_major(std::span<const T>, const gradaccum::tensor_shape&,
 ///                                                      const device_type&);
+///   // host_memory_backend adds:
+///   template <class T> static T* data(tensor<T>&) noexcept;  // the elements, contiguous, in host memory
 /// };
 /// @endcode
 
@@ -113,6 +115,18 @@ concept tensor_backend =
 /// @brief A backend whose tensors can be copied to and from row-major buffers (records).
 template <class B>
 concept serializable_backend = tensor_backend<B> && detail::all_row_major_io<B, typename B::element_types>::value;
+
+/// @brief A backend whose owned work-dtype tensors keep their elements in one contiguous run of
+/// host memory, in any fixed order: `B::data(t)` points to the `shape(t)`-many elements of `t`.
+///
+/// Optional. The MPI reduction uses it to reduce large tensors in place and pack small ones with
+/// plain copies, instead of going through `to_row_major` / `from_row_major`.
+template <class B>
+concept host_memory_backend =
+    tensor_backend<B> && requires(typename B::template tensor<float>& f32, typename B::template tensor<double>& f64) {
+      { B::data(f32) } noexcept -> std::same_as<float*>;
+      { B::data(f64) } noexcept -> std::same_as<double*>;
+    };
 
 namespace detail {
 

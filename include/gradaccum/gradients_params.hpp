@@ -140,6 +140,10 @@ class gradients_params {
     return position ? &entries_[*position].value : nullptr;
   }
 
+  /// @brief The gradient of the `index`-th entry (in `begin()` order), reached without hashing
+  /// its id. Precondition: `index < size()`.
+  [[nodiscard]] value_type& value_at(std::size_t index) noexcept { return entries_[index].value; }
+
   /// @brief The dtype of the gradient under `id`, if present.
   [[nodiscard]] std::optional<float_dtype> dtype(std::string_view id) const noexcept {
     const value_type* value = find_value(id);

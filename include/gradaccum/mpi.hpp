@@ -52,19 +52,8 @@
 
 namespace gradaccum {
 
-/// @brief A backend whose owned work-dtype tensors expose their elements as one contiguous run of
-/// host memory, in any fixed order: `B::data(t)` points to the `shape(t)`-many elements of `t`.
-///
-/// Optional. With it, large tensors are reduced in place (`MPI_IN_PLACE`) and small ones packed
-/// with plain copies; without it, values go through `to_row_major` / `from_row_major`.
-template <class B>
-concept host_memory_backend =
-    tensor_backend<B> && requires(typename B::template tensor<float>& f32, typename B::template tensor<double>& f64) {
-      { B::data(f32) } -> std::same_as<float*>;
-      { B::data(f64) } -> std::same_as<double*>;
-    };
-
-/// @brief A backend whose tensors the MPI reduction can move values in and out of.
+/// @brief A backend whose tensors the MPI reduction can move values in and out of: through their
+/// host memory (`host_memory_backend`, backend.hpp), else through row-major copies.
 template <class B>
 concept mpi_reducible_backend = host_memory_backend<B> || serializable_backend<B>;
 
@@ -134,6 +123,7 @@ struct agreement {
   word_range layout;                         // fingerprint of the parameter set
   word_range dtype;
   word_range loss_scale;  // bit pattern of the double
+  word_range present;     // how many parameters have a gradient
   double total_weight = 0.0;
   std::uint64_t microbatches = 0;  // saturating sum: saturation means overflow
 
@@ -142,6 +132,7 @@ struct agreement {
     layout.combine(other.layout);
     dtype.combine(other.dtype);
     loss_scale.combine(other.loss_scale);
+    present.combine(other.present);
     total_weight += other.total_weight;
     microbatches = other.microbatches > std::numeric_limits<std::uint64_t>::max() - microbatches
                        ? std::numeric_limits<std::uint64_t>::max()
@@ -257,14 +248,66 @@ struct tensor_slot {
   std::size_t count = 0;
 };
 
-/// `gradients_params` hands out its entries read-only, and looking a tensor up by id hashes the
-/// id; the reduction owns the object (it is not const) and writes reduced values into thousands of
-/// tensors, so it reaches them by entry index instead.
+/// The owned work-dtype tensor of entry `entry` (checked to be one before the reduction starts).
 template <class B, class W>
 typename B::template tensor<W>& tensor_at(gradients_params<B>& gradients, std::size_t entry) noexcept {
-  const auto& value = (gradients.begin() + static_cast<std::ptrdiff_t>(entry))->value;
-  return const_cast<typename B::template tensor<W>&>(*std::get_if<typename B::template tensor<W>>(&value));
+  return *std::get_if<typename B::template tensor<W>>(&gradients.value_at(entry));
 }
+
+/// The buffer small tensors are packed into. A fresh one costs a page fault per 4 KiB on first
+/// touch, which on 2 local ranks took far longer than the reduction itself (2.4 MiB: about 6 ms
+/// against 0.5 ms), so each thread keeps the largest buffer it released for its next reduction:
+/// the memory held between calls is one packed region per thread and work dtype.
+template <class W>
+class packed_buffer {
+ public:
+  packed_buffer() noexcept = default;
+  explicit packed_buffer(std::size_t count) {
+    if (count == 0) return;  // leaves the kept buffer to a reduction that packs something
+    packed_buffer& kept = spare();
+    if (kept.capacity_ >= count) {
+      data_ = std::move(kept.data_);
+      capacity_ = std::exchange(kept.capacity_, 0);
+    } else {
+      data_ = std::make_unique_for_overwrite<W[]>(count);
+      capacity_ = count;
+    }
+  }
+  packed_buffer(packed_buffer&& other) noexcept
+      : data_(std::move(other.data_)), capacity_(std::exchange(other.capacity_, 0)) {}
+  packed_buffer& operator=(packed_buffer&& other) noexcept {
+    if (this != &other) {
+      release();
+      data_ = std::move(other.data_);
+      capacity_ = std::exchange(other.capacity_, 0);
+    }
+    return *this;
+  }
+  packed_buffer(const packed_buffer&) = delete;
+  packed_buffer& operator=(const packed_buffer&) = delete;
+  ~packed_buffer() { release(); }
+
+  [[nodiscard]] W* data() const noexcept { return data_.get(); }
+
+ private:
+  static packed_buffer& spare() noexcept {
+    thread_local packed_buffer kept;
+    return kept;
+  }
+
+  void release() noexcept {
+    packed_buffer& kept = spare();
+    if (this != &kept && capacity_ > kept.capacity_) {
+      kept.data_ = std::move(data_);
+      kept.capacity_ = capacity_;
+    }
+    data_.reset();
+    capacity_ = 0;
+  }
+
+  std::unique_ptr<W[]> data_;
+  std::size_t capacity_ = 0;
+};
 
 }  // namespace detail::mpi
 
@@ -325,6 +368,7 @@ class allreduce_mean_request {
     }
     taken_ = true;
     detail::visit_work_dtype(state_.dtype, [&]<class W>() { normalize<W>(); });
+    packed_ = {};  // kept for the next reduction, even if this request lives on
     return {std::move(gradients_), state_};
   }
 
@@ -343,7 +387,7 @@ class allreduce_mean_request {
 
   template <class T>
   using tensor = typename B::template tensor<T>;
-  using packed_buffer = std::variant<std::unique_ptr<float[]>, std::unique_ptr<double[]>>;
+  using packed_buffer = std::variant<detail::mpi::packed_buffer<float>, detail::mpi::packed_buffer<double>>;
 
   enum class launch { blocking, nonblocking };
 
@@ -372,6 +416,7 @@ class allreduce_mean_request {
     agreed.layout = detail::mpi::word_range::of(detail::mpi::layout_fingerprint(params));
     agreed.dtype = detail::mpi::word_range::of(static_cast<std::uint64_t>(sums.state.dtype));
     agreed.loss_scale = detail::mpi::word_range::of(std::bit_cast<std::uint64_t>(sums.state.loss_scale));
+    agreed.present = detail::mpi::word_range::of(sums.gradients.size());
     agreed.total_weight = sums.state.total_weight;
     agreed.microbatches = sums.state.microbatches;
     detail::mpi::allreduce_agreement(agreed, comm);
@@ -379,18 +424,23 @@ class allreduce_mean_request {
     check_agreement(agreed);
     state_ = {sums.state.dtype, sums.state.loss_scale, agreed.total_weight, agreed.microbatches};
 
-    // 3. Presence: one bit per parameter position, OR-ed over the ranks.
-    std::vector<std::uint64_t> present((params.size() + 63) / 64, 0);
-    for (std::size_t position = 0; position < params.size(); ++position) {
-      if (entry_of[position] != no_entry) present[position / 64] |= std::uint64_t{1} << (position % 64);
-    }
-    if (!present.empty()) {
+    // 3. Presence: one bit per parameter position, OR-ed over the ranks. When every rank has a
+    //    gradient for every parameter (the usual case) the OR is known, and every rank skips this
+    //    collective alike. It stays apart from the agreement: its length is the parameter count,
+    //    which the ranks have only just agreed on.
+    const bool everywhere = agreed.present.min() == params.size();
+    std::vector<std::uint64_t> present;
+    if (!everywhere) {
+      present.resize((params.size() + 63) / 64);
+      for (std::size_t position = 0; position < params.size(); ++position) {
+        if (entry_of[position] != no_entry) present[position / 64] |= std::uint64_t{1} << (position % 64);
+      }
       detail::mpi::check(
           MPI_Allreduce(MPI_IN_PLACE, present.data(), static_cast<int>(present.size()), MPI_UINT64_T, MPI_BOR, comm),
           "MPI_Allreduce");
     }
     const auto is_present = [&](std::size_t position) {
-      return ((present[position / 64] >> (position % 64)) & 1U) != 0;
+      return everywhere || ((present[position / 64] >> (position % 64)) & 1U) != 0;
     };
 
     detail::visit_work_dtype(state_.dtype, [&]<class W>() { prepare<W>(params, sums, entry_of, is_present); });
@@ -467,28 +517,19 @@ class allreduce_mean_request {
   template <class W, class IsPresent>
   void prepare(const parameter_set<B>& params, accumulated_gradients<B>& sums, const std::vector<std::size_t>& entry_of,
                const IsPresent& is_present) {
-    std::vector<std::size_t> missing;  // positions present elsewhere only
-    std::vector<tensor<W>> zeros;
-    std::size_t present_count = 0;
-    for (std::size_t position = 0; position < params.size(); ++position) {
-      if (!is_present(position)) continue;
-      ++present_count;
-      if (entry_of[position] == no_entry) missing.push_back(position);
-    }
-    zeros.reserve(missing.size());
-    for (const std::size_t position : missing) {
-      zeros.push_back(B::template zeros<W>(params[position].shape, params[position].device));
-    }
-
+    // One pass over the parameters lays out the slots; parameters present elsewhere only get
+    // zeros, appended as entries after this rank's own.
+    std::vector<std::size_t> missing;
     std::vector<detail::mpi::tensor_slot> slots;
-    slots.reserve(present_count);
+    slots.reserve(params.size());
     std::size_t packed_count = 0;
-    std::size_t next_missing_entry = sums.gradients.size();
     for (std::size_t position = 0; position < params.size(); ++position) {
       if (!is_present(position)) continue;
-      const bool local = entry_of[position] != no_entry;
-      detail::mpi::tensor_slot slot{local ? entry_of[position] : next_missing_entry++, 0, 0};
-      slot.count = *params[position].shape.checked_element_count();
+      detail::mpi::tensor_slot slot{entry_of[position], 0, *params[position].shape.checked_element_count()};
+      if (slot.entry == no_entry) {
+        slot.entry = sums.gradients.size() + missing.size();
+        missing.push_back(position);
+      }
       if (host_memory_backend<B> && slot.count * sizeof(W) >= GRADACCUM_MPI_IN_PLACE_MIN_BYTES) {
         slot.offset = detail::mpi::tensor_slot::in_place;
       } else {
@@ -497,7 +538,12 @@ class allreduce_mean_request {
       }
       slots.push_back(slot);
     }
-    auto packed = std::make_unique_for_overwrite<W[]>(packed_count);
+    std::vector<tensor<W>> zeros;
+    zeros.reserve(missing.size());
+    for (const std::size_t position : missing) {
+      zeros.push_back(B::template zeros<W>(params[position].shape, params[position].device));
+    }
+    detail::mpi::packed_buffer<W> packed(packed_count);
 
     // Insert the zeros; should an insertion run out of memory, take the earlier ones out again.
     std::size_t inserted = 0;
@@ -517,9 +563,9 @@ class allreduce_mean_request {
       if (slot.offset == detail::mpi::tensor_slot::in_place) continue;
       tensor<W>& t = detail::mpi::tensor_at<B, W>(gradients_, slot.entry);
       if constexpr (host_memory_backend<B>) {
-        std::copy_n(B::data(t), slot.count, packed.get() + slot.offset);
+        std::copy_n(B::data(t), slot.count, packed.data() + slot.offset);
       } else {
-        B::to_row_major(t, std::span<W>(packed.get() + slot.offset, slot.count));
+        B::to_row_major(t, std::span<W>(packed.data() + slot.offset, slot.count));
       }
     }
     packed_count_ = packed_count;
@@ -545,7 +591,7 @@ class allreduce_mean_request {
           }
         });
       };
-      if (packed_count_ != 0) reduce(std::get<std::unique_ptr<W[]>>(packed_).get(), packed_count_);
+      if (packed_count_ != 0) reduce(std::get<detail::mpi::packed_buffer<W>>(packed_).data(), packed_count_);
       if constexpr (host_memory_backend<B>) {
         for (const auto& slot : slots_) {
           if (slot.offset == detail::mpi::tensor_slot::in_place) {
@@ -559,7 +605,10 @@ class allreduce_mean_request {
   /// Unpacks the summed small tensors, then `t = (t / W(s)) / W(total_weight)` for every tensor.
   template <class W>
   void normalize() {
-    const W* packed = std::get<std::unique_ptr<W[]>>(packed_).get();
+    const auto scale = static_cast<W>(state_.loss_scale);
+    const auto weight = static_cast<W>(state_.total_weight);
+    const W* const packed = std::get<detail::mpi::packed_buffer<W>>(packed_).data();
+    // Tensor by tensor, so each is divided while its values are still in the core's cache.
     for (const auto& slot : slots_) {
       tensor<W>& t = detail::mpi::tensor_at<B, W>(gradients_, slot.entry);
       if (slot.offset != detail::mpi::tensor_slot::in_place) {
@@ -570,7 +619,7 @@ class allreduce_mean_request {
                                             B::device(t));
         }
       }
-      B::divide(t, static_cast<W>(state_.loss_scale), static_cast<W>(state_.total_weight));
+      B::divide(t, scale, weight);
     }
   }
 
@@ -593,9 +642,10 @@ class allreduce_mean_request {
 /// @brief Starts reducing every rank's window sums over `comm` and returns a request to wait on.
 ///
 /// Collective: every rank of `comm` calls it with its own `sums` (from `finish_sums()`) and the
-/// same parameter set. The agreement (presence, dtype, loss scale, weights; two small collectives)
-/// happens before this returns, so every error below is thrown here, by every rank alike; only the
-/// value sums (`MPI_Iallreduce`) are left in flight.
+/// same parameter set. The agreement (presence, dtype, loss scale, weights; one small collective,
+/// two when some parameter has gradients on some ranks only) happens before this returns, so
+/// every error below is thrown here, by every rank alike; only the value sums (`MPI_Iallreduce`)
+/// are left in flight.
 ///
 /// @throws error(errc::invalid_state) when ranks disagree on the work dtype or the loss scale, or
 /// when a rank's sums are malformed; error(errc::parameter_mismatch) when ranks pass different

@@ -39,7 +39,8 @@ struct eigen_cpu_device {
 /// @brief Traits that adapt dense, column-major Eigen matrices to `tensor_backend`.
 ///
 /// A matrix has shape [rows, cols]. Records store values row-major, so a record written here
-/// restores into any other backend with the same shapes.
+/// restores into any other backend with the same shapes. Matrices own contiguous host memory,
+/// which `data` exposes (`host_memory_backend`).
 struct eigen_backend {
   using device_type = eigen_cpu_device;
   using element_types = type_list<Eigen::half, Eigen::bfloat16, float, double>;
@@ -56,6 +57,12 @@ struct eigen_backend {
   template <class X>
   static device_type device(const X& /*x*/) noexcept {
     return {};
+  }
+
+  /// The storage, column-major.
+  template <class T>
+  static T* data(tensor<T>& t) noexcept {
+    return t.data();
   }
 
   /// Shapes of rank 1 become column vectors; rank 0 a 1×1 matrix.
@@ -123,6 +130,6 @@ struct eigen_backend {
   }
 };
 
-static_assert(serializable_backend<eigen_backend>);
+static_assert(serializable_backend<eigen_backend> && host_memory_backend<eigen_backend>);
 
 }  // namespace gradaccum

@@ -73,6 +73,7 @@ struct xtensor_cpu_device {
 /// Any rank up to `gradaccum::max_rank`; a rank-0 array holds one value. Storage is row-major
 /// (the layout is fixed here rather than taken from `XTENSOR_DEFAULT_LAYOUT`), so record values
 /// are a plain copy of the storage, and tensors and views always agree element for element.
+/// Arrays own contiguous host memory, which `data` exposes (`host_memory_backend`).
 struct xtensor_backend {
   using device_type = xtensor_cpu_device;
   using element_types = type_list<f16_bits, bf16_bits, float, double>;
@@ -110,6 +111,12 @@ struct xtensor_backend {
   template <class X>
   static device_type device(const X& /*x*/) noexcept {
     return {};
+  }
+
+  /// The storage, row-major.
+  template <class T>
+  static T* data(tensor<T>& t) noexcept {
+    return t.data();
   }
 
   template <class W>
@@ -163,6 +170,6 @@ struct xtensor_backend {
   static shape_type to_shape_type(const tensor_shape& s) { return {s.begin(), s.end()}; }
 };
 
-static_assert(serializable_backend<xtensor_backend>);
+static_assert(serializable_backend<xtensor_backend> && host_memory_backend<xtensor_backend>);
 
 }  // namespace gradaccum
