@@ -492,17 +492,17 @@ class allreduce_mean_request {
                        std::string(to_string(static_cast<float_dtype>(agreed.dtype.max))) + "); nothing was reduced.");
     }
     if (!agreed.loss_scale.agreed()) {
-      detail::fail(errc::invalid_state, "ranks used different loss scales (" +
-                                            std::to_string(std::bit_cast<double>(agreed.loss_scale.min())) + " and " +
-                                            std::to_string(std::bit_cast<double>(agreed.loss_scale.max)) +
-                                            "); nothing was reduced.");
+      detail::fail(errc::invalid_state,
+                   "ranks used different loss scales (" +
+                       detail::number_text(std::bit_cast<double>(agreed.loss_scale.min())) + " and " +
+                       detail::number_text(std::bit_cast<double>(agreed.loss_scale.max)) + "); nothing was reduced.");
     }
     const auto dtype = static_cast<float_dtype>(agreed.dtype.max);
     if (agreed.microbatches == std::numeric_limits<std::uint64_t>::max()) {
       detail::fail(errc::counter_overflow, "the ranks' microbatch counts overflow when summed.");
     }
     if (!representable(agreed.total_weight, dtype)) {
-      detail::fail(errc::invalid_weight, "the ranks' total weights sum to " + std::to_string(agreed.total_weight) +
+      detail::fail(errc::invalid_weight, "the ranks' total weights sum to " + detail::number_text(agreed.total_weight) +
                                              ", which is not representable in " + std::string(to_string(dtype)) + ".");
     }
     if (!(agreed.total_weight > 0.0)) {
