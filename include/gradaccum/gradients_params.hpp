@@ -35,23 +35,27 @@ template <class B>
        std::string(id));
 }
 
-/// Position of `id` in `params`, checking geometry; throws unknown_parameters or parameter_mismatch.
+/// Checks that the gradient `id` has the shape and device of `param`; throws parameter_mismatch.
 template <class B, class X>
-std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X& value, std::size_t hint) {
-  const auto position = params.find(id, hint);
-  if (!position) fail_unknown<B>(id);
-  const auto& param = params[*position];
-  const tensor_shape shape = shape_of<B>(value, id);
-  if (shape != param.shape) {
+void check_geometry(const typename parameter_set<B>::parameter& param, std::string_view id, const X& value) {
+  if (!has_shape<B>(value, param.shape, id)) {
     fail(errc::parameter_mismatch,
-         "gradient '" + std::string(id) + "' has shape " + shape.to_string() + " but its parameter has shape " +
-             param.shape.to_string() + ".",
+         "gradient '" + std::string(id) + "' has shape " + shape_of<B>(value, id).to_string() +
+             " but its parameter has shape " + param.shape.to_string() + ".",
          std::string(id));
   }
   if (!(B::device(value) == param.device)) {
     fail(errc::parameter_mismatch, "gradient '" + std::string(id) + "' is on another device than its parameter.",
          std::string(id));
   }
+}
+
+/// Position of `id` in `params`, checking geometry; throws unknown_parameters or parameter_mismatch.
+template <class B, class X>
+std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X& value, std::size_t hint) {
+  const auto position = params.find(id, hint);
+  if (!position) fail_unknown<B>(id);
+  check_geometry<B>(params[*position], id, value);
   return *position;
 }
 
@@ -153,12 +157,14 @@ class gradients_params {
     if (!position) return false;
     entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(*position));
     index_.rebuild(entries_.size(), key_of());
+    ids_.renew();
     return true;
   }
 
   void clear() noexcept {
     entries_.clear();
     index_.clear();
+    ids_.renew();
   }
 
   [[nodiscard]] bool contains(std::string_view id) const noexcept { return find(id).has_value(); }
@@ -166,6 +172,11 @@ class gradients_params {
   [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
   [[nodiscard]] auto begin() const noexcept { return entries_.cbegin(); }
   [[nodiscard]] auto end() const noexcept { return entries_.cend(); }
+
+  /// @brief Changes whenever an id is added or removed, never when `insert` replaces the value
+  /// of an id already present: accumulators resolve ids again only when it changed, so reusing
+  /// one `gradients_params` across microbatches (re-inserting the same ids) skips that work.
+  [[nodiscard]] std::uint64_t ids_version() const noexcept { return ids_.value(); }
 
   /// @brief Checks that every id is a parameter of `params` with the same shape and device.
   /// @throws error(errc::unknown_parameters) or error(errc::parameter_mismatch), naming the id.
@@ -266,8 +277,7 @@ class gradients_params {
   /// Appends with the strong guarantee: reserve both containers, then commit without throwing.
   void push_back(entry&& added) {
     reserve(entries_.size() + 1);
-    entries_.push_back(std::move(added));
-    index_.insert(entries_.size() - 1, entries_.back().id);
+    push_back_reserved(std::move(added));
   }
 
   void reserve(std::size_t count) {
@@ -279,6 +289,7 @@ class gradients_params {
   void push_back_reserved(entry&& added) noexcept {
     entries_.push_back(std::move(added));
     index_.insert(entries_.size() - 1, entries_.back().id);
+    ids_.renew();
   }
 
   template <class F>
@@ -374,6 +385,7 @@ class gradients_params {
 
   std::vector<entry> entries_;
   detail::id_index index_;
+  detail::id_list_stamp ids_;
 };
 
 }  // namespace gradaccum

@@ -6,11 +6,13 @@
 /// which is what lets the containers commit new entries with the strong guarantee.
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace gradaccum::detail {
@@ -21,6 +23,35 @@ template <class T>
 void reserve_geometric(std::vector<T>& v, std::size_t count) {
   if (count > v.capacity()) v.reserve(std::max(count, 2 * v.capacity()));
 }
+
+/// A process-wide unique, non-zero number (never reused, so a stale cache key never matches).
+inline std::uint64_t next_stamp() noexcept {
+  static std::atomic<std::uint64_t> counter{0};
+  return counter.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+/// Version of a container's list of ids: two containers with the same stamp hold the same ids
+/// in the same order, so positions resolved for one hold for the other. A copy keeps the
+/// stamp (same ids); a move hands it over and renews the source's.
+class id_list_stamp {
+ public:
+  id_list_stamp() noexcept = default;
+  id_list_stamp(const id_list_stamp&) noexcept = default;
+  id_list_stamp(id_list_stamp&& other) noexcept : value_(std::exchange(other.value_, next_stamp())) {}
+  id_list_stamp& operator=(const id_list_stamp&) noexcept = default;
+  id_list_stamp& operator=(id_list_stamp&& other) noexcept {
+    value_ = std::exchange(other.value_, next_stamp());
+    return *this;
+  }
+  ~id_list_stamp() = default;
+
+  /// Called whenever the ids change (an id added, removed, or the order changed).
+  void renew() noexcept { value_ = next_stamp(); }
+  [[nodiscard]] std::uint64_t value() const noexcept { return value_; }
+
+ private:
+  std::uint64_t value_ = next_stamp();
+};
 
 class id_index {
  public:

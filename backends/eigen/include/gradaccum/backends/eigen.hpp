@@ -53,6 +53,12 @@ struct eigen_backend {
     return {static_cast<std::size_t>(x.rows()), static_cast<std::size_t>(x.cols())};
   }
 
+  /// shape(x) == s, comparing the dimensions in place.
+  template <class X>
+  static bool has_shape(const X& x, const tensor_shape& s) noexcept {
+    return s.rank() == 2 && s[0] == static_cast<std::size_t>(x.rows()) && s[1] == static_cast<std::size_t>(x.cols());
+  }
+
   template <class X>
   static device_type device(const X& /*x*/) noexcept {
     return {};

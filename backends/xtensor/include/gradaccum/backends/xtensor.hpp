@@ -107,6 +107,17 @@ struct xtensor_backend {
     return tensor_shape(std::span<const std::size_t>(dims.data(), dims.size()));
   }
 
+  /// shape(x) == s, comparing the dimensions in place (a loop: std::equal calls memcmp).
+  template <class X>
+  static bool has_shape(const X& x, const tensor_shape& s) noexcept {
+    const auto& dims = x.shape();
+    if (dims.size() != s.rank()) return false;
+    for (std::size_t axis = 0; axis < dims.size(); ++axis) {
+      if (dims[axis] != s[axis]) return false;
+    }
+    return true;
+  }
+
   template <class X>
   static device_type device(const X& /*x*/) noexcept {
     return {};
