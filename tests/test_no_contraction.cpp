@@ -4,10 +4,11 @@
 ///
 /// meson.build compiles this file with -march=native (so FMA instructions exist on machines that
 /// have them) and the most permissive contraction mode whose pragmas the compiler still honors
-/// (GCC: -ffp-contract=fast; clang: -ffp-contract=fast-honor-pragmas, because its plain `fast`
-/// ignores FP_CONTRACT pragmas by definition). test_kernels cannot catch a regression: it is
-/// built without -march=native, where there is no FMA to contract into. References are computed
-/// through volatile temporaries, which round every operation separately whatever the flags.
+/// (GCC: -ffp-contract=fast; clang: fast-honor-pragmas, or `on` before clang 15, because its
+/// plain `fast` ignores FP_CONTRACT pragmas by definition). test_kernels cannot catch a
+/// regression: it is built without -march=native, where there is no FMA to contract into.
+/// References are computed through volatile temporaries, which round every operation
+/// separately whatever the flags.
 
 #include <cmath>
 #include <cstddef>

@@ -153,16 +153,15 @@ class gradients_accumulator {
            std::optional<float_dtype> work) {
     // 1. Validate every gradient and resolve its id to a parameter position; nothing is touched
     // yet. Positions of an earlier call stand while neither the set nor the ids of `grads`
-    // changed, so a steady-state call only checks shapes and devices.
+    // changed, so a steady-state call only checks shapes and devices; and not even those when
+    // every gradient is a view of a backend whose views keep their geometry, and no entry
+    // changed since they were checked.
     const resolution_key key{params.identity(), params.size(), grads.ids_version()};
     std::size_t k = 0;
-    if (key == resolved_for_) {
-      for (const auto& e : grads) {
-        const auto& param = params[positions_[k++]];
-        detail::visit_gradient([&](const auto& value) { detail::check_geometry<B>(param, e.id, value); }, e.value);
-      }
-    } else {
+    bool all_views = true;
+    if (key != resolved_for_) {
       resolved_for_ = {};  // positions_ is rewritten below, possibly only in part
+      views_checked_for_ = 0;
       positions_.resize(grads.size());
       std::size_t hint = 0;
       for (const auto& e : grads) {
@@ -170,9 +169,17 @@ class gradients_accumulator {
             [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
         positions_[k++] = position;
         hint = position + 1;
+        all_views = all_views && gradients_params<B>::is_view(e.value);
       }
       resolved_for_ = key;
+    } else if (grads.values_version() != views_checked_for_) {
+      for (const auto& e : grads) {
+        const auto& param = params[positions_[k++]];
+        detail::visit_gradient([&](const auto& value) { detail::check_geometry<B>(param, e.id, value); }, e.value);
+        all_views = all_views && gradients_params<B>::is_view(e.value);
+      }
     }
+    if (detail::views_keep_geometry<B>() && all_views) views_checked_for_ = grads.values_version();
     const bool rebind = slots_for_ != params.identity() || slots_.size() != params.size();
     const bool all_pending =
         !rebind && std::all_of(positions_.begin(), positions_.end(), [&](std::size_t p) { return slots_[p] != 0; });
@@ -284,6 +291,7 @@ class gradients_accumulator {
 
   std::vector<std::size_t> positions_;  // parameter positions of the last gradients, in order
   resolution_key resolved_for_;
+  std::uint64_t views_checked_for_ = 0;       // values version of all-view gradients checked since
   std::optional<float_dtype> pending_dtype_;  // dtype shared by every pending tensor, if any
 };
 

@@ -93,7 +93,8 @@ inline void require_scalar(double value, float_dtype dtype, bool divisor) {
 /// the backend supports. Absent means absent: nothing is invented for a missing parameter.
 ///
 /// Entries keep insertion order; giving them in parameter order makes id resolution a single
-/// string comparison each.
+/// string comparison each. Reused across microbatches with the same ids (views of buffers
+/// rewritten in place, or values replaced by `insert`), it is resolved once per accumulator.
 template <class B>
 class gradients_params {
   static_assert(detail::check_backend<B>());
@@ -119,6 +120,7 @@ class gradients_params {
       // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
       value_type replacement(std::in_place_type<stored>, std::forward<X>(value));
       entries_[*position].value = std::move(replacement);
+      values_.renew();
       return;
     }
     entry added{std::string(id), value_type(std::in_place_type<stored>, std::forward<X>(value))};
@@ -158,6 +160,7 @@ class gradients_params {
     entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(*position));
     index_.rebuild(entries_.size(), key_of());
     ids_.renew();
+    values_.renew();
     return true;
   }
 
@@ -165,6 +168,7 @@ class gradients_params {
     entries_.clear();
     index_.clear();
     ids_.renew();
+    values_.renew();
   }
 
   [[nodiscard]] bool contains(std::string_view id) const noexcept { return find(id).has_value(); }
@@ -270,6 +274,12 @@ class gradients_params {
 
   std::optional<std::size_t> find(std::string_view id) const noexcept { return index_.find(id, key_of()); }
 
+  /// Changes whenever an entry does (only `get<T>` gives mutable access, to owned tensors).
+  [[nodiscard]] std::uint64_t values_version() const noexcept { return values_.value(); }
+
+  /// Whether `value` is a view: its shape and device stay as inserted.
+  static bool is_view(const value_type& value) noexcept { return value.index() >= B::element_types::size; }
+
   auto key_of() const noexcept {
     return [this](std::size_t position) -> std::string_view { return entries_[position].id; };
   }
@@ -290,6 +300,7 @@ class gradients_params {
     entries_.push_back(std::move(added));
     index_.insert(entries_.size() - 1, entries_.back().id);
     ids_.renew();
+    values_.renew();
   }
 
   template <class F>
@@ -385,7 +396,8 @@ class gradients_params {
 
   std::vector<entry> entries_;
   detail::id_index index_;
-  detail::id_list_stamp ids_;
+  detail::version_stamp ids_;
+  detail::version_stamp values_;
 };
 
 }  // namespace gradaccum

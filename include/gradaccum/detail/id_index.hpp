@@ -30,22 +30,22 @@ inline std::uint64_t next_stamp() noexcept {
   return counter.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
-/// Version of a container's list of ids: two containers with the same stamp hold the same ids
-/// in the same order, so positions resolved for one hold for the other. A copy keeps the
-/// stamp (same ids); a move hands it over and renews the source's.
-class id_list_stamp {
+/// Version of some part of a container (its list of ids, say): two containers with the same
+/// stamp hold equal parts, so what was derived from one (positions resolved for its ids) holds
+/// for the other. A copy keeps the stamp; a move hands it over and renews the source's.
+class version_stamp {
  public:
-  id_list_stamp() noexcept = default;
-  id_list_stamp(const id_list_stamp&) noexcept = default;
-  id_list_stamp(id_list_stamp&& other) noexcept : value_(std::exchange(other.value_, next_stamp())) {}
-  id_list_stamp& operator=(const id_list_stamp&) noexcept = default;
-  id_list_stamp& operator=(id_list_stamp&& other) noexcept {
+  version_stamp() noexcept = default;
+  version_stamp(const version_stamp&) noexcept = default;
+  version_stamp(version_stamp&& other) noexcept : value_(std::exchange(other.value_, next_stamp())) {}
+  version_stamp& operator=(const version_stamp&) noexcept = default;
+  version_stamp& operator=(version_stamp&& other) noexcept {
     value_ = std::exchange(other.value_, next_stamp());
     return *this;
   }
-  ~id_list_stamp() = default;
+  ~version_stamp() = default;
 
-  /// Called whenever the ids change (an id added, removed, or the order changed).
+  /// Called whenever the part changes.
   void renew() noexcept { value_ = next_stamp(); }
   [[nodiscard]] std::uint64_t value() const noexcept { return value_; }
 

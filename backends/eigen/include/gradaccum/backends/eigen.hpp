@@ -48,6 +48,9 @@ struct eigen_backend {
   template <class T>
   using view = Eigen::Map<const tensor<T>>;
 
+  /// Views store their dimensions: a view's shape never changes once it is made.
+  static constexpr bool views_keep_geometry = true;
+
   template <class X>
   static tensor_shape shape(const X& x) {
     return {static_cast<std::size_t>(x.rows()), static_cast<std::size_t>(x.cols())};

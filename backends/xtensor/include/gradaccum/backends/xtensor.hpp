@@ -92,6 +92,9 @@ struct xtensor_backend {
   using view = xt::xarray_adaptor<xt::xbuffer_adaptor<const T*, xt::no_ownership, std::allocator<T>>,
                                   xt::layout_type::row_major, shape_type>;
 
+  /// Views store their dimensions: a view's shape never changes once it is made.
+  static constexpr bool views_keep_geometry = true;
+
   /// @brief A view of the row-major values at `data` with dimensions `dims`; `data` must hold
   /// the product of `dims` elements and outlive every use of the view.
   template <class T>
