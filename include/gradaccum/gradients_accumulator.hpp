@@ -278,9 +278,6 @@ class gradients_accumulator {
     return common;
   }
 
-  gradients_params<B> pending_;
-  std::vector<std::uint32_t> slots_;  // parameter position → pending index + 1 (0: none yet)
-  std::uint64_t slots_for_ = 0;       // identity of the parameter set `slots_` was built for
   /// What `positions_` was resolved for: parameter set identity and size, ids version of the gradients.
   struct resolution_key {
     std::uint64_t params = 0;
@@ -289,9 +286,12 @@ class gradients_accumulator {
     friend bool operator==(const resolution_key&, const resolution_key&) = default;
   };
 
-  std::vector<std::size_t> positions_;  // parameter positions of the last gradients, in order
-  resolution_key resolved_for_;
-  std::uint64_t views_checked_for_ = 0;       // values version of all-view gradients checked since
+  gradients_params<B> pending_;
+  std::vector<std::uint32_t> slots_;          // parameter position → pending index + 1 (0: none yet)
+  std::uint64_t slots_for_ = 0;               // identity of the parameter set `slots_` was built for
+  std::vector<std::size_t> positions_;        // parameter positions of the last gradients, in order
+  resolution_key resolved_for_;               // what `positions_` holds positions for
+  std::uint64_t views_checked_for_ = 0;       // values version of all-view gradients checked under it
   std::optional<float_dtype> pending_dtype_;  // dtype shared by every pending tensor, if any
 };
 
