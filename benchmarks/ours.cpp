@@ -136,20 +136,21 @@ struct small_model {
   }
 };
 
-/// `rebuild`: also clear and refill the gradients_params every call (what a training loop
-/// that builds one per microbatch pays on top).
+/// What happens to the gradients_params before each call: nothing (its views read buffers the
+/// backward pass rewrites in place), every gradient inserted again under its id (values
+/// replaced, ids kept), or cleared and refilled (a training loop that builds one per microbatch).
+enum class refill { none, reinsert, rebuild };
+
 template <class B>
-void many_small_body(benchmark::State& state, many_small_case c, bool rebuild) {
+void many_small_body(benchmark::State& state, many_small_case c, refill before_call) {
   small_model<B> model(c);
   gradaccum::weighted_gradients_accumulator<B> acc(gradaccum::float_dtype::f32, 1.0);
   acc.accumulate_sum(model.params, model.grads, 1.0);
   {
     alloc_probe probe(state);
     for (auto _ : state) {
-      if (rebuild) {
-        model.grads.clear();
-        model.insert_all();
-      }
+      if (before_call == refill::rebuild) model.grads.clear();
+      if (before_call != refill::none) model.insert_all();
       acc.accumulate_sum(model.params, model.grads, 1.0);
       benchmark::ClobberMemory();
     }
@@ -205,8 +206,9 @@ void register_ours_accumulate(const accumulate_case& c) {
 void register_ours_many_small(const many_small_case& c) {
   for_each_backend([&]<class B>() {
     const std::string name = c.name() + "/" + backend_of<B>::name;
-    add(name, c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, false); });
-    add(name + "_rebuild", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, true); });
+    add(name, c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::none); });
+    add(name + "_reinsert", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::reinsert); });
+    add(name + "_rebuild", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::rebuild); });
   });
 }
 

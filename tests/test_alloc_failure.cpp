@@ -65,7 +65,13 @@ TEST_CASE_TEMPLATE("accumulating allocates nothing once every parameter has its 
     viewed.insert("b", backend_fixture<B>::view_of(b));
     CHECK(allocations_of([&] { acc.accumulate_sum(params, viewed, 1); }) == 0);
     CHECK(allocations_of([&] { acc.accumulate_mean(params, viewed, 4); }) == 0);
-    microbatches += 2;
+    // Reused for the next microbatch: views re-seated under the same ids.
+    CHECK(allocations_of([&] {
+            viewed.insert("a", backend_fixture<B>::view_of(a));
+            viewed.insert("b", backend_fixture<B>::view_of(b));
+            acc.accumulate_sum(params, viewed, 1);
+          }) == 0);
+    microbatches += 3;
   }
   CHECK(acc.state().microbatches == microbatches);  // every call above was accepted
 

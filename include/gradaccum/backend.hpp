@@ -19,6 +19,11 @@
 ///   static void divide(tensor<W>& acc, W first, W second) noexcept;        // acc = acc / first / second
 ///   static bool all_finite(const tensor<W>&) noexcept;
 ///   template <class W> static tensor<W> convert(const X&);
+///   // optional, checked on every accumulate call: whether shape(x) == s, without building it
+///   static bool has_shape(const X&, const gradaccum::tensor_shape& s) noexcept;
+///   // optional: a view stores its shape and device, so they never change after it is made
+///   // (lets an accumulator skip checking a gradients_params of views that did not change)
+///   static constexpr bool views_keep_geometry = true;
 ///   // serializable_backend adds:
 ///   static void to_row_major(const tensor<T>&, std::span<T> out);
 ///   template <class T> static tensor<T> from_row_major(std::span<const T>, const gradaccum::tensor_shape&,
@@ -140,6 +145,30 @@ tensor_shape shape_of(const X& value, std::string_view id) {
     if (problem.code() != errc::invalid_record) throw;
     fail(errc::parameter_mismatch, "tensor '" + std::string(id) + "' cannot be used: " + problem.what(),
          std::string(id));
+  }
+}
+
+/// Whether B declares that its views store their shape and device (see the list above).
+template <class B>
+constexpr bool views_keep_geometry() noexcept {
+  if constexpr (requires { B::views_keep_geometry; }) {
+    return has_views<B> && B::views_keep_geometry;
+  } else {
+    return false;
+  }
+}
+
+/// Whether the tensor named `id` has dimensions `shape`, through the backend's `has_shape` if it
+/// has one: gradients are checked on every call, and a tensor_shape built each time costs more
+/// than comparing a few dimensions in place.
+template <class B, class X>
+bool has_shape(const X& value, const tensor_shape& shape, std::string_view id) {
+  if constexpr (requires {
+                  { B::has_shape(value, shape) } noexcept -> std::same_as<bool>;
+                }) {
+    return B::has_shape(value, shape);
+  } else {
+    return shape_of<B>(value, id) == shape;
   }
 }
 

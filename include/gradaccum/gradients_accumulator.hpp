@@ -151,19 +151,38 @@ class gradients_accumulator {
 
   void add(const parameter_set<B>& params, const gradients_params<B>& grads, double multiplier,
            std::optional<float_dtype> work) {
-    // 1. Validate every id and resolve it to a parameter position; nothing is touched yet.
-    const bool rebind = slots_for_ != params.identity() || slots_.size() != params.size();
-    bool all_pending = !rebind;
-    positions_.resize(grads.size());
-    std::size_t hint = 0;
+    // 1. Validate every gradient and resolve its id to a parameter position; nothing is touched
+    // yet. Positions of an earlier call stand while neither the set nor the ids of `grads`
+    // changed, so a steady-state call only checks shapes and devices; and not even those when
+    // every gradient is a view of a backend whose views keep their geometry, and no entry
+    // changed since they were checked.
+    const resolution_key key{params.identity(), params.size(), grads.ids_version()};
     std::size_t k = 0;
-    for (const auto& e : grads) {
-      const std::size_t position = detail::visit_gradient(
-          [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
-      positions_[k++] = position;
-      all_pending = all_pending && slots_[position] != 0;
-      hint = position + 1;
+    bool all_views = true;
+    if (key != resolved_for_) {
+      resolved_for_ = {};  // positions_ is rewritten below, possibly only in part
+      views_checked_for_ = 0;
+      positions_.resize(grads.size());
+      std::size_t hint = 0;
+      for (const auto& e : grads) {
+        const std::size_t position = detail::visit_gradient(
+            [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
+        positions_[k++] = position;
+        hint = position + 1;
+        all_views = all_views && gradients_params<B>::is_view(e.value);
+      }
+      resolved_for_ = key;
+    } else if (grads.values_version() != views_checked_for_) {
+      for (const auto& e : grads) {
+        const auto& param = params[positions_[k++]];
+        detail::visit_gradient([&](const auto& value) { detail::check_geometry<B>(param, e.id, value); }, e.value);
+        all_views = all_views && gradients_params<B>::is_view(e.value);
+      }
     }
+    if (detail::views_keep_geometry<B>() && all_views) views_checked_for_ = grads.values_version();
+    const bool rebind = slots_for_ != params.identity() || slots_.size() != params.size();
+    const bool all_pending =
+        !rebind && std::all_of(positions_.begin(), positions_.end(), [&](std::size_t p) { return slots_[p] != 0; });
 
     // 2. Steady state skips this: every id has a pending tensor of the right dtype already.
     const bool convert = work && !pending_.empty() && pending_dtype_ != work;
@@ -259,10 +278,20 @@ class gradients_accumulator {
     return common;
   }
 
+  /// What `positions_` was resolved for: parameter set identity and size, ids version of the gradients.
+  struct resolution_key {
+    std::uint64_t params = 0;
+    std::size_t size = 0;
+    std::uint64_t ids = 0;
+    friend bool operator==(const resolution_key&, const resolution_key&) = default;
+  };
+
   gradients_params<B> pending_;
   std::vector<std::uint32_t> slots_;          // parameter position → pending index + 1 (0: none yet)
   std::uint64_t slots_for_ = 0;               // identity of the parameter set `slots_` was built for
-  std::vector<std::size_t> positions_;        // scratch: positions of the incoming gradients
+  std::vector<std::size_t> positions_;        // parameter positions of the last gradients, in order
+  resolution_key resolved_for_;               // what `positions_` holds positions for
+  std::uint64_t views_checked_for_ = 0;       // values version of all-view gradients checked under it
   std::optional<float_dtype> pending_dtype_;  // dtype shared by every pending tensor, if any
 };
 

@@ -35,23 +35,27 @@ template <class B>
        std::string(id));
 }
 
-/// Position of `id` in `params`, checking geometry; throws unknown_parameters or parameter_mismatch.
+/// Checks that the gradient `id` has the shape and device of `param`; throws parameter_mismatch.
 template <class B, class X>
-std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X& value, std::size_t hint) {
-  const auto position = params.find(id, hint);
-  if (!position) fail_unknown<B>(id);
-  const auto& param = params[*position];
-  const tensor_shape shape = shape_of<B>(value, id);
-  if (shape != param.shape) {
+void check_geometry(const typename parameter_set<B>::parameter& param, std::string_view id, const X& value) {
+  if (!has_shape<B>(value, param.shape, id)) {
     fail(errc::parameter_mismatch,
-         "gradient '" + std::string(id) + "' has shape " + shape.to_string() + " but its parameter has shape " +
-             param.shape.to_string() + ".",
+         "gradient '" + std::string(id) + "' has shape " + shape_of<B>(value, id).to_string() +
+             " but its parameter has shape " + param.shape.to_string() + ".",
          std::string(id));
   }
   if (!(B::device(value) == param.device)) {
     fail(errc::parameter_mismatch, "gradient '" + std::string(id) + "' is on another device than its parameter.",
          std::string(id));
   }
+}
+
+/// Position of `id` in `params`, checking geometry; throws unknown_parameters or parameter_mismatch.
+template <class B, class X>
+std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X& value, std::size_t hint) {
+  const auto position = params.find(id, hint);
+  if (!position) fail_unknown<B>(id);
+  check_geometry<B>(params[*position], id, value);
   return *position;
 }
 
@@ -89,7 +93,8 @@ inline void require_scalar(double value, float_dtype dtype, bool divisor) {
 /// the backend supports. Absent means absent: nothing is invented for a missing parameter.
 ///
 /// Entries keep insertion order; giving them in parameter order makes id resolution a single
-/// string comparison each.
+/// string comparison each. Reused across microbatches with the same ids (views of buffers
+/// rewritten in place, or values replaced by `insert`), it is resolved once per accumulator.
 template <class B>
 class gradients_params {
   static_assert(detail::check_backend<B>());
@@ -115,6 +120,7 @@ class gradients_params {
       // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
       value_type replacement(std::in_place_type<stored>, std::forward<X>(value));
       entries_[*position].value = std::move(replacement);
+      values_.renew();
       return;
     }
     entry added{std::string(id), value_type(std::in_place_type<stored>, std::forward<X>(value))};
@@ -157,12 +163,16 @@ class gradients_params {
     if (!position) return false;
     entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(*position));
     index_.rebuild(entries_.size(), key_of());
+    ids_.renew();
+    values_.renew();
     return true;
   }
 
   void clear() noexcept {
     entries_.clear();
     index_.clear();
+    ids_.renew();
+    values_.renew();
   }
 
   [[nodiscard]] bool contains(std::string_view id) const noexcept { return find(id).has_value(); }
@@ -170,6 +180,11 @@ class gradients_params {
   [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
   [[nodiscard]] auto begin() const noexcept { return entries_.cbegin(); }
   [[nodiscard]] auto end() const noexcept { return entries_.cend(); }
+
+  /// @brief Changes whenever an id is added or removed, never when `insert` replaces the value
+  /// of an id already present: accumulators resolve ids again only when it changed, so reusing
+  /// one `gradients_params` across microbatches (re-inserting the same ids) skips that work.
+  [[nodiscard]] std::uint64_t ids_version() const noexcept { return ids_.value(); }
 
   /// @brief Checks that every id is a parameter of `params` with the same shape and device.
   /// @throws error(errc::unknown_parameters) or error(errc::parameter_mismatch), naming the id.
@@ -263,6 +278,12 @@ class gradients_params {
 
   std::optional<std::size_t> find(std::string_view id) const noexcept { return index_.find(id, key_of()); }
 
+  /// Changes whenever an entry does (only `get<T>` gives mutable access, to owned tensors).
+  [[nodiscard]] std::uint64_t values_version() const noexcept { return values_.value(); }
+
+  /// Whether `value` is a view: its shape and device stay as inserted.
+  static bool is_view(const value_type& value) noexcept { return value.index() >= B::element_types::size; }
+
   auto key_of() const noexcept {
     return [this](std::size_t position) -> std::string_view { return entries_[position].id; };
   }
@@ -270,8 +291,7 @@ class gradients_params {
   /// Appends with the strong guarantee: reserve both containers, then commit without throwing.
   void push_back(entry&& added) {
     reserve(entries_.size() + 1);
-    entries_.push_back(std::move(added));
-    index_.insert(entries_.size() - 1, entries_.back().id);
+    push_back_reserved(std::move(added));
   }
 
   void reserve(std::size_t count) {
@@ -283,6 +303,8 @@ class gradients_params {
   void push_back_reserved(entry&& added) noexcept {
     entries_.push_back(std::move(added));
     index_.insert(entries_.size() - 1, entries_.back().id);
+    ids_.renew();
+    values_.renew();
   }
 
   template <class F>
@@ -378,6 +400,8 @@ class gradients_params {
 
   std::vector<entry> entries_;
   detail::id_index index_;
+  detail::version_stamp ids_;
+  detail::version_stamp values_;
 };
 
 }  // namespace gradaccum

@@ -8,8 +8,9 @@
 ///
 /// The arithmetic is fixed by the accumulation contract, so it is written so the compiler
 /// can neither contract it into an FMA nor reassociate it: each element is converted to the
-/// work type, multiplied, then added (two roundings). Every kernel is elementwise, so splitting
-/// a range across threads gives bit-identical results.
+/// work type, multiplied, then added (two roundings). clang's -ffp-contract=fast overrides
+/// that by definition (it disregards FP_CONTRACT pragmas); its fast-honor-pragmas does not.
+/// Every kernel is elementwise, so splitting a range across threads gives bit-identical results.
 
 #include <bit>
 #include <cmath>

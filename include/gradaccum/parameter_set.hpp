@@ -2,7 +2,6 @@
 /// @file
 /// @brief `parameter_set<B>`: ids, shapes and devices of a model's trainable parameters.
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -118,10 +117,7 @@ class parameter_set {
     return [this](std::size_t position) -> std::string_view { return params_[position].id; };
   }
 
-  static std::uint64_t next_identity() noexcept {
-    static std::atomic<std::uint64_t> counter{0};
-    return counter.fetch_add(1, std::memory_order_relaxed) + 1;
-  }
+  static std::uint64_t next_identity() noexcept { return detail::next_stamp(); }
 
   std::vector<parameter> params_;
   detail::id_index index_;

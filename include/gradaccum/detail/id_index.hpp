@@ -6,11 +6,13 @@
 /// which is what lets the containers commit new entries with the strong guarantee.
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace gradaccum::detail {
@@ -21,6 +23,35 @@ template <class T>
 void reserve_geometric(std::vector<T>& v, std::size_t count) {
   if (count > v.capacity()) v.reserve(std::max(count, 2 * v.capacity()));
 }
+
+/// A process-wide unique, non-zero number (never reused, so a stale cache key never matches).
+inline std::uint64_t next_stamp() noexcept {
+  static std::atomic<std::uint64_t> counter{0};
+  return counter.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+/// Version of some part of a container (its list of ids, say): two containers with the same
+/// stamp hold equal parts, so what was derived from one (positions resolved for its ids) holds
+/// for the other. A copy keeps the stamp; a move hands it over and renews the source's.
+class version_stamp {
+ public:
+  version_stamp() noexcept = default;
+  version_stamp(const version_stamp&) noexcept = default;
+  version_stamp(version_stamp&& other) noexcept : value_(std::exchange(other.value_, next_stamp())) {}
+  version_stamp& operator=(const version_stamp&) noexcept = default;
+  version_stamp& operator=(version_stamp&& other) noexcept {
+    value_ = std::exchange(other.value_, next_stamp());
+    return *this;
+  }
+  ~version_stamp() = default;
+
+  /// Called whenever the part changes.
+  void renew() noexcept { value_ = next_stamp(); }
+  [[nodiscard]] std::uint64_t value() const noexcept { return value_; }
+
+ private:
+  std::uint64_t value_ = next_stamp();
+};
 
 class id_index {
  public:

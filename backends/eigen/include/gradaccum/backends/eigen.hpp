@@ -49,9 +49,18 @@ struct eigen_backend {
   template <class T>
   using view = Eigen::Map<const tensor<T>>;
 
+  /// Views store their dimensions: a view's shape never changes once it is made.
+  static constexpr bool views_keep_geometry = true;
+
   template <class X>
   static tensor_shape shape(const X& x) {
     return {static_cast<std::size_t>(x.rows()), static_cast<std::size_t>(x.cols())};
+  }
+
+  /// shape(x) == s, comparing the dimensions in place.
+  template <class X>
+  static bool has_shape(const X& x, const tensor_shape& s) noexcept {
+    return s.rank() == 2 && s[0] == static_cast<std::size_t>(x.rows()) && s[1] == static_cast<std::size_t>(x.cols());
   }
 
   template <class X>

@@ -93,6 +93,9 @@ struct xtensor_backend {
   using view = xt::xarray_adaptor<xt::xbuffer_adaptor<const T*, xt::no_ownership, std::allocator<T>>,
                                   xt::layout_type::row_major, shape_type>;
 
+  /// Views store their dimensions: a view's shape never changes once it is made.
+  static constexpr bool views_keep_geometry = true;
+
   /// @brief A view of the row-major values at `data` with dimensions `dims`; `data` must hold
   /// the product of `dims` elements and outlive every use of the view.
   template <class T>
@@ -106,6 +109,17 @@ struct xtensor_backend {
   static tensor_shape shape(const X& x) {
     const auto& dims = x.shape();
     return tensor_shape(std::span<const std::size_t>(dims.data(), dims.size()));
+  }
+
+  /// shape(x) == s, comparing the dimensions in place (a loop: std::equal calls memcmp).
+  template <class X>
+  static bool has_shape(const X& x, const tensor_shape& s) noexcept {
+    const auto& dims = x.shape();
+    if (dims.size() != s.rank()) return false;
+    for (std::size_t axis = 0; axis < dims.size(); ++axis) {
+      if (dims[axis] != s[axis]) return false;
+    }
+    return true;
   }
 
   template <class X>
