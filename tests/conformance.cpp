@@ -107,8 +107,11 @@ TEST_CASE_TEMPLATE("gradients_params holds present gradients of any element type
   CHECK(grads.dtype("b") == std::optional(float_dtype::f64));
   CHECK(values_of<float>(grads, "a") == std::vector<float>{1, 2, 3, 4, 5, 6});
   CHECK(values_of<double>(grads, "b") == std::vector<double>{6, 5, 4, 3, 2, 1});
-  CHECK(grads.template get<double>("a") == nullptr);  // another element type
-  CHECK(grads.template get<float>("c") == nullptr);   // absent
+  CHECK(grads.template get<double>("a") == nullptr);                         // another element type
+  CHECK(grads.template get<float>("c") == nullptr);                          // absent
+  CHECK(grads.template get_at<float>(0) == grads.template get<float>("a"));  // by position, in order
+  CHECK(grads.template get_at<double>(1) == grads.template get<double>("b"));
+  CHECK(grads.template get_at<double>(0) == nullptr);
 
   SUBCASE("inserting under an existing id replaces its gradient") {
     grads.insert("a", make_tensor<B, double>(shape_a, {7, 7, 7, 7, 7, 7}));
@@ -130,6 +133,7 @@ TEST_CASE_TEMPLATE("gradients_params holds present gradients of any element type
       CHECK(grads.contains("v"));
       CHECK(grads.find_value("v") != nullptr);
       CHECK(grads.template get<float>("v") == nullptr);
+      CHECK(grads.template get_at<float>(2) == nullptr);  // views are never handed out mutably
       CHECK(grads.dtype("v") == std::optional(float_dtype::f32));
     }
   }

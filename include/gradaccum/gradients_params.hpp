@@ -146,9 +146,14 @@ class gradients_params {
     return position ? &entries_[*position].value : nullptr;
   }
 
-  /// @brief The gradient of the `index`-th entry (in `begin()` order), reached without hashing
-  /// its id. Precondition: `index < size()`.
-  [[nodiscard]] value_type& value_at(std::size_t index) noexcept { return entries_[index].value; }
+  /// @brief The owned tensor of element type T of the `index`-th entry (in `begin()` order),
+  /// reached without hashing its id; null when of another element type or a view. Views are not
+  /// handed out mutably: accumulators rely on a view changing only through `insert`.
+  /// Precondition: `index < size()`.
+  template <class T>
+  [[nodiscard]] tensor<T>* get_at(std::size_t index) noexcept {
+    return std::get_if<tensor<T>>(&entries_[index].value);
+  }
 
   /// @brief The dtype of the gradient under `id`, if present.
   [[nodiscard]] std::optional<float_dtype> dtype(std::string_view id) const noexcept {

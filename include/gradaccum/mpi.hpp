@@ -251,7 +251,7 @@ struct tensor_slot {
 /// The owned work-dtype tensor of entry `entry` (checked to be one before the reduction starts).
 template <class B, class W>
 typename B::template tensor<W>& tensor_at(gradients_params<B>& gradients, std::size_t entry) noexcept {
-  return *std::get_if<typename B::template tensor<W>>(&gradients.value_at(entry));
+  return *gradients.template get_at<W>(entry);
 }
 
 /// The buffer small tensors are packed into. A fresh one costs a page fault per 4 KiB on first
