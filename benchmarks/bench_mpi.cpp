@@ -108,6 +108,22 @@ void mpi_raw_start(benchmark::State& state, const layout& shape) {
       });
 }
 
+/// The unbucketed loop over parameters: one in-place `MPI_Allreduce` per tensor (no packing, a
+/// collective's latency per tensor).
+void mpi_per_tensor(benchmark::State& state, const layout& shape) {
+  std::vector<Eigen::MatrixXf> tensors(shape.tensors, Eigen::MatrixXf::Constant(shape.rows, shape.cols, 1.0F));
+  timed_loop(
+      state, shape,
+      [&] {
+        for (auto& t : tensors) t.setConstant(1.0F);
+      },
+      [&] {
+        for (auto& t : tensors) {
+          MPI_Allreduce(MPI_IN_PLACE, t.data(), static_cast<int>(t.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        }
+      });
+}
+
 /// What a user writes by hand for the same window, without the agreement: one tensor reduced in
 /// place; many packed into a buffer kept across calls, reduced by one call and unpacked. Either
 /// way the mean is taken as `(x / s) / w`, as ours does.
@@ -227,6 +243,7 @@ void register_cases() {
     add("mpi_raw", mpi_raw);
     add("mpi_raw_start", mpi_raw_start);
     add("mpi_hand", mpi_hand);
+    if (shape.tensors > 1) add("mpi_per_tensor", mpi_per_tensor);
     add("ours_eigen",
         [](benchmark::State& state, const layout& s) { ours<gradaccum::eigen_backend>(state, s, call::blocking); });
     add("ours_eigen_start", [](benchmark::State& state, const layout& s) {
