@@ -56,6 +56,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -109,10 +110,12 @@ class sized_input_archive final : private istream_holder, public Archive {
 };
 
 /// Bytes left in `ar`'s input, when it knows (cereal hands loaders the base archive type).
+/// Comparing type_info objects is a pointer comparison for the same type, where dynamic_cast
+/// compares type names (it ran several times per tensor of a checkpoint).
 template <class Archive>
 std::optional<std::uint64_t> remaining_input(const Archive& ar) noexcept {
-  if (const auto* sized = dynamic_cast<const sized_input_archive<Archive>*>(&ar)) return sized->remaining();
-  return std::nullopt;
+  if (typeid(ar) != typeid(sized_input_archive<Archive>)) return std::nullopt;
+  return static_cast<const sized_input_archive<Archive>&>(ar).remaining();
 }
 
 template <class Archive>
@@ -219,9 +222,10 @@ void save_elements(Archive& ar, std::span<const T> values) {
 }
 
 /// Checks that `count` elements of T can be read: addressable, and (when the archive knows)
-/// held by the bytes that remain. Runs before anything is allocated for them.
+/// held by the bytes that remain, which it returns. Runs before anything is allocated for them.
 template <class T, class Archive>
-void check_block_fits(const Archive& ar, std::uint64_t count, const load_site& site, std::string_view field) {
+std::optional<std::uint64_t> check_block_fits(const Archive& ar, std::uint64_t count, const load_site& site,
+                                              std::string_view field) {
   constexpr std::uint64_t addressable =
       static_cast<std::uint64_t>(std::numeric_limits<std::ptrdiff_t>::max()) / sizeof(T);
   const std::optional<std::uint64_t> remaining = remaining_input(ar);
@@ -231,6 +235,7 @@ void check_block_fits(const Archive& ar, std::uint64_t count, const load_site& s
               (remaining ? "the " + std::to_string(*remaining) + " bytes left hold: the input is truncated or corrupt."
                          : std::string("memory can address.")));
   }
+  return remaining;
 }
 
 /// Reads `count` elements of a raw block into `out` (a vector or a string). With a known
@@ -240,12 +245,12 @@ void check_block_fits(const Archive& ar, std::uint64_t count, const load_site& s
 template <class Archive, class Container>
 void load_raw(Archive& ar, Container& out, std::uint64_t count, const load_site& site, std::string_view field) {
   using T = typename Container::value_type;
-  check_block_fits<T>(ar, count, site, field);
+  const bool sized = check_block_fits<T>(ar, count, site, field).has_value();
   constexpr std::size_t first_capacity = 4096 / sizeof(T);
   constexpr std::size_t max_chunk = (std::size_t{1} << 20) / sizeof(T);
   const auto total = static_cast<std::size_t>(count);
   Container loaded;
-  if (remaining_input(ar)) loaded.reserve(total);
+  if (sized) loaded.reserve(total);
   while (loaded.size() < total) {
     const std::size_t done = loaded.size();
     if (done == loaded.capacity()) loaded.reserve(std::min(total, std::max(first_capacity, 2 * done)));
@@ -291,20 +296,23 @@ double load_real(Archive& ar, const load_site& site, const char* field) {
 
 // ---- Values in text archives -------------------------------------------------------------------
 
-/// Longest text `std::to_chars` writes for a value ("-2.2250738585072014e-308").
-inline constexpr std::size_t max_value_text = 24;
+/// Longest text `std::to_chars` writes for a T ("-2.2250738585072014e-308" for a double).
+template <raw_element T>
+inline constexpr std::size_t max_value_text = std::is_same_v<T, double>  ? 24
+                                              : std::is_same_v<T, float> ? 15
+                                                                         : 5;
 
 /// The values as one string of numbers separated by spaces: each the shortest text that reads
 /// back to the same value (`std::to_chars`), 16-bit values as their bit patterns. A float
-/// written as a double would take 17 digits and arrays one line per number.
+/// written as a double would take 17 digits, and an array one line per number.
 template <raw_element T>
 std::string values_text(std::span<const T> values) {
   std::string text;
-  text.reserve(values.size() * (max_value_text + 1));
-  char buffer[max_value_text];
+  text.reserve(values.size() * (max_value_text<T> + 1));
+  std::array<char, max_value_text<T>> buffer{};
   for (const T value : values) {
     if (!text.empty()) text += ' ';
-    text.append(buffer, std::to_chars(buffer, buffer + max_value_text, value).ptr);
+    text.append(buffer.data(), std::to_chars(buffer.data(), buffer.data() + buffer.size(), value).ptr);
   }
   return text;
 }
