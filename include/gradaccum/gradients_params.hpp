@@ -444,6 +444,8 @@ class gradients_params {
                        B::template from_row_major<T>(std::span<const T>(elements), shape, device));
       } else {
         if constexpr (detail::lends_row_major<B, T>) {
+          // Where the layout is not row-major this allocation is dropped untouched: cheap, and
+          // backends need not expose their layout rules.
           tensor<T> created = B::template uninitialized<T>(shape, device);
           if (T* data = B::row_major_data(created)) {
             values.into(std::span<T>(data, *shape.checked_element_count()));
