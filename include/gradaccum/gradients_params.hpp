@@ -57,6 +57,36 @@ std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X
   return *position;
 }
 
+// The two helpers below name B's optional checkpoint functions only inside templates of their
+// own: in a generic lambda of a class template, clang checks `B::member` once B is known.
+
+/// `B::row_major_data(t)` where the backend lends its storage (`lends_row_major`), else null.
+template <class B, class T>
+const T* lent_row_major(const typename B::template tensor<T>& t) noexcept {
+  if constexpr (lends_row_major<B, T>) {
+    return B::row_major_data(t);
+  } else {
+    return nullptr;
+  }
+}
+
+/// A new tensor of `shape` whose row-major values `values.into(std::span<T>)` wrote straight
+/// into its storage, where the backend lends it; else empty. Where the layout is not row-major
+/// the tensor is dropped untouched: cheap, and backends need not expose their layout rules.
+template <class B, class T, class Values>
+std::optional<typename B::template tensor<T>> filled_in_place(const tensor_shape& shape,
+                                                              const typename B::device_type& device,
+                                                              const Values& values) {
+  if constexpr (lends_row_major<B, T>) {
+    auto created = B::template uninitialized<T>(shape, device);
+    if (T* data = B::row_major_data(created)) {
+      values.into(std::span<T>(data, *shape.checked_element_count()));
+      return created;
+    }
+  }
+  return std::nullopt;
+}
+
 template <float_dtype D, class F>
 decltype(auto) with_work_type(F&& f) {
   return std::forward<F>(f).template operator()<work_type<D>>();
@@ -240,8 +270,8 @@ class gradients_params {
           [&](const auto& value) {
             using X = std::remove_cvref_t<decltype(value)>;
             using T = detail::element_of<B, X>;
-            if constexpr (std::is_same_v<X, tensor<T>> && sizeof(T) != 2 && detail::lends_row_major<B, T>) {
-              if (const T* data = B::row_major_data(value)) {
+            if constexpr (std::is_same_v<X, tensor<T>> && sizeof(T) != 2) {
+              if (const T* data = detail::lent_row_major<B, T>(value)) {
                 const tensor_shape shape = B::shape(value);
                 std::copy(shape.begin(), shape.end(), shapes[i].begin());
                 views.push_back({sorted[i]->id, dtype_of<T>, std::span(shapes[i].data(), shape.rank()),
@@ -443,15 +473,9 @@ class gradients_params {
         result.emplace(std::in_place_type<tensor<T>>,
                        B::template from_row_major<T>(std::span<const T>(elements), shape, device));
       } else {
-        if constexpr (detail::lends_row_major<B, T>) {
-          // Where the layout is not row-major this allocation is dropped untouched: cheap, and
-          // backends need not expose their layout rules.
-          tensor<T> created = B::template uninitialized<T>(shape, device);
-          if (T* data = B::row_major_data(created)) {
-            values.into(std::span<T>(data, *shape.checked_element_count()));
-            result.emplace(std::in_place_type<tensor<T>>, std::move(created));
-            return;
-          }
+        if (auto in_place = detail::filled_in_place<B, T>(shape, device, values)) {
+          result.emplace(std::in_place_type<tensor<T>>, std::move(*in_place));
+          return;
         }
         std::vector<T> row_major;
         values.into(row_major);
