@@ -447,12 +447,26 @@ void save_tensor(Archive& ar, const tensor_view& tensor) {
       tensor.values);
 }
 
-/// `tensors` (records or views) as the list of a gradients record.
+inline const tensor_view& view_of(const tensor_view& tensor) noexcept {
+  return tensor;
+}
+
+/// `tensors` (records or views) as the list of a gradients record. A binary archive holds the
+/// tensor type's version before the first tensor only, and cereal finds that out under a mutex,
+/// with allocations, for every object it is given: the other tensors are written directly
+/// (the same bytes), as `load` reads them.
 template <class Archive, class Tensors>
 void save_tensors(Archive& ar, const Tensors& tensors) {
   ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
                         node(cereal::make_size_tag(static_cast<cereal::size_type>(tensors.size())));
-                        for (const auto& tensor : tensors) node(tensor);
+                        bool first = true;
+                        for (const auto& tensor : tensors) {
+                          if (is_text_archive<Archive> || std::exchange(first, false)) {
+                            node(tensor);
+                          } else {
+                            save_tensor(node, view_of(tensor));
+                          }
+                        }
                       }}));
 }
 
@@ -575,6 +589,37 @@ void load_tensor(Archive& ar, Sink& sink) {
   });
 }
 
+/// @brief A sink that fills a record.
+struct record_sink {
+  weighted_gradients_record record;
+
+  void state(const weighted_accumulation_state& state) noexcept { record.state = state; }
+  void reserve(std::size_t count) { record.gradients.tensors.reserve(count); }
+  template <class Values>
+  void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
+    tensor_record tensor{{}, dtype, std::vector<std::uint64_t>(shape.begin(), shape.end()), {}};
+    visit_stored_type(dtype, [&]<class S>() { values.into(tensor.values.template emplace<std::vector<S>>()); });
+    tensor.id = std::move(id);
+    record.gradients.tensors.push_back(std::move(tensor));
+  }
+};
+
+/// Loads one tensor of a list into `sink` through cereal, which reads the tensor type's version
+/// the first time in an archive. A record's tensors load as `tensor_record`, the type they were
+/// saved as, so cereal's bookkeeping of which versions it has read matches the saving side's
+/// even in an archive holding several records.
+template <class Archive, class Sink>
+void load_listed_tensor(Archive& ar, Sink& sink);
+template <class Archive>
+void load_listed_tensor(Archive& ar, record_sink& sink);
+
+/// Loads the "gradients" of a weighted record into `sink` (as `gradients_params_record` for
+/// records, for the reason above).
+template <class Archive, class Sink>
+void load_gradients_field(Archive& ar, Sink& sink);
+template <class Archive>
+void load_gradients_field(Archive& ar, record_sink& sink);
+
 template <class Sink>
 struct tensor_into {
   Sink* sink;
@@ -610,8 +655,14 @@ void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) 
                             const std::uint64_t room = *remaining / min_binary_tensor_bytes;
                             into.sink->reserve(static_cast<std::size_t>(std::min<std::uint64_t>(count, room)));
                           }
-                          tensor_into<Sink> tensor{into.sink};
-                          for (cereal::size_type i = 0; i < count; ++i) node(tensor);
+                          // The first tensor through cereal, which reads the version (see `save_tensors`).
+                          for (cereal::size_type i = 0; i < count; ++i) {
+                            if (is_text_archive<Archive> || i == 0) {
+                              load_listed_tensor(node, *into.sink);
+                            } else {
+                              load_tensor(node, *into.sink);
+                            }
+                          }
                         }}));
   });
 }
@@ -624,25 +675,21 @@ void load(Archive& ar, weighted_into<Sink>& into, const std::uint32_t version) {
   read_field<Archive>({errc::invalid_state, "weighted gradients record"}, "state", "an accumulation state",
                       [&] { ar(cereal::make_nvp("state", state)); });
   into.sink->state(state);
-  gradients_into<Sink> gradients{into.sink};
   read_field<Archive>({errc::invalid_record, "weighted gradients record"}, "gradients", "a gradients record",
-                      [&] { ar(cereal::make_nvp("gradients", gradients)); });
+                      [&] { load_gradients_field(ar, *into.sink); });
 }
 
-/// @brief A sink that fills a record.
-struct record_sink {
-  weighted_gradients_record record;
+template <class Archive, class Sink>
+void load_listed_tensor(Archive& ar, Sink& sink) {
+  tensor_into<Sink> tensor{&sink};
+  ar(tensor);
+}
 
-  void state(const weighted_accumulation_state& state) noexcept { record.state = state; }
-  void reserve(std::size_t count) { record.gradients.tensors.reserve(count); }
-  template <class Values>
-  void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
-    tensor_record tensor{{}, dtype, std::vector<std::uint64_t>(shape.begin(), shape.end()), {}};
-    visit_stored_type(dtype, [&]<class S>() { values.into(tensor.values.template emplace<std::vector<S>>()); });
-    tensor.id = std::move(id);
-    record.gradients.tensors.push_back(std::move(tensor));
-  }
-};
+template <class Archive, class Sink>
+void load_gradients_field(Archive& ar, Sink& sink) {
+  gradients_into<Sink> gradients{&sink};
+  ar(cereal::make_nvp("gradients", gradients));
+}
 
 }  // namespace detail
 
@@ -717,6 +764,22 @@ void load(Archive& ar, weighted_gradients_record& record, const std::uint32_t ve
 }
 
 }  // namespace gradaccum
+
+namespace gradaccum::detail {
+
+template <class Archive>
+void load_listed_tensor(Archive& ar, record_sink& sink) {
+  tensor_record tensor;
+  ar(tensor);
+  sink.record.gradients.tensors.push_back(std::move(tensor));
+}
+
+template <class Archive>
+void load_gradients_field(Archive& ar, record_sink& sink) {
+  ar(cereal::make_nvp("gradients", sink.record.gradients));
+}
+
+}  // namespace gradaccum::detail
 
 CEREAL_CLASS_VERSION(gradaccum::tensor_record, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::gradients_params_record, gradaccum::record_format_version)
