@@ -14,9 +14,15 @@
 ///                    restore into the accumulator;
 ///  - `ours_record`   the same without the accumulator: save_checkpoint(path, record) of a record
 ///                    taken beforehand, load_checkpoint<weighted_gradients_record>(path).
+///
+/// `ckpt_snapshot/binary/1_tensor` measures what save_checkpoint_async costs the calling thread
+/// (`ours_eigen`: until it returns; the write is awaited untimed) against one copy of the pending
+/// bytes into a fresh buffer (`hand`: new + memcpy), the bound.
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -157,6 +163,35 @@ void ours_load(benchmark::State& state, const window& w, const std::filesystem::
   state.counters["bytes"] = static_cast<double>(w.bytes());
 }
 
+void hand_snapshot(benchmark::State& state, const window& w) {
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      std::unique_ptr<float[]> copy(new float[w.count * w.elements]);
+      std::memcpy(copy.get(), w.values, w.bytes());
+      benchmark::DoNotOptimize(copy.get());
+      benchmark::ClobberMemory();
+      state.PauseTiming();  // the snapshot, too, is freed off the calling thread's clock
+      copy.reset();
+      state.ResumeTiming();
+    }
+  }
+  state.counters["bytes"] = static_cast<double>(w.bytes());
+}
+
+void ours_snapshot(benchmark::State& state, const window& w, const std::filesystem::path& path) {
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      std::future<void> saved = gradaccum::save_checkpoint_async(path, w.acc, checkpoint_format::binary);
+      state.PauseTiming();
+      saved.get();
+      state.ResumeTiming();
+    }
+  }
+  state.counters["bytes"] = static_cast<double>(w.bytes());
+}
+
 /// Windows are built on first use and kept (they hold hundreds of MiB at most).
 const window& window_of(std::size_t count, std::size_t elements) {
   static std::vector<std::unique_ptr<window>> windows;
@@ -209,8 +244,18 @@ int main(int argc, char** argv) {
       ga_bench::register_cases(format, 1, 64 * MiB / sizeof(float));
       ga_bench::register_cases(format, 10'000, 64);
     }
-    // Text is ~10x larger and parsed number by number (~1 µs per value): small layouts only.
+    if (ga_bench::size_enabled(64 * MiB)) {
+      const auto path = ga_bench::scratch_directory() / "snapshot.bin";
+      ga_bench::add("ckpt_snapshot/binary/1_tensor/hand", 64 * MiB, [](benchmark::State& s) {
+        ga_bench::hand_snapshot(s, ga_bench::window_of(1, 64 * MiB / sizeof(float)));
+      });
+      ga_bench::add("ckpt_snapshot/binary/1_tensor/ours_eigen", 64 * MiB, [path](benchmark::State& s) {
+        ga_bench::ours_snapshot(s, ga_bench::window_of(1, 64 * MiB / sizeof(float)), path);
+      });
+    }
+    // Text is ~2.7x larger than binary and every value is formatted and parsed.
     ga_bench::register_cases(checkpoint_format::json, 1, 256 * KiB / sizeof(float));
+    ga_bench::register_cases(checkpoint_format::json, 1, 64 * MiB / sizeof(float));
     ga_bench::register_cases(checkpoint_format::json, 1'000, 64);
   });
   std::error_code ignored;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,31 @@ TEST_CASE_TEMPLATE("the record's parse_checkpoint and serialize_checkpoint agree
                             record);
 }
 
+TEST_CASE_TEMPLATE("one archive holds several records, each loading back", Archives, GRADACCUM_TEST_ARCHIVES) {
+  // cereal writes a type's version only the first time an archive holds that type: the
+  // loaders must track this as the savers do, whatever mix of records an archive holds.
+  const gradients_params_record gradients = edge_values();
+  const weighted_gradients_record window = window_record<eigen_backend>(4);
+  std::ostringstream out;
+  {
+    typename Archives::output archive(out);
+    archive(gradients.tensors[2], gradients, window, window);
+  }
+  std::istringstream in(out.str());
+  typename Archives::input archive(in);
+  tensor_record tensor;
+  gradients_params_record loaded_gradients;
+  weighted_gradients_record first;
+  weighted_gradients_record second;
+  archive(tensor, loaded_gradients, first, second);
+  CHECK(tensor.id == gradients.tensors[2].id);
+  CHECK(tensor.shape == gradients.tensors[2].shape);
+  GRADACCUM_CHECK_SAME_BITS(tensor.values, gradients.tensors[2].values);
+  GRADACCUM_CHECK_SAME_BITS(loaded_gradients, gradients);
+  GRADACCUM_CHECK_SAME_BITS(first, window);
+  GRADACCUM_CHECK_SAME_BITS(second, window);
+}
+
 TEST_CASE("binary archives keep every bit of a NaN; text archives keep it a NaN") {
   // Negative NaNs and payloads, which arithmetic on overflowed windows can produce.
   const gradients_params_record record{{
@@ -142,21 +168,32 @@ TEST_CASE("text archives name every field, write dtypes as names and carry the f
                                          {float_dtype::f32, 1024.0, 3.0, 2}};
   const std::string json = serialize_checkpoint(record, checkpoint_format::json);
   for (const char* expected :
-       {"\"weighted_gradients_record\": {", "\"cereal_class_version\": 1", "\"state\": {", "\"dtype\": \"F32\"",
+       {"\"weighted_gradients_record\": {", "\"cereal_class_version\": 2", "\"state\": {", "\"dtype\": \"F32\"",
         "\"loss_scale\": 1024.0", "\"total_weight\": 3.0", "\"microbatches\": 2", "\"gradients\": {", "\"tensors\": [",
-        "\"id\": \"fc1.bias\"", "\"shape\": [", "\"values\": ["}) {
+        "\"id\": \"fc1.bias\"", "\"shape\": [", "\"values\": \"0.5 -2\""}) {
     CHECK_MESSAGE(json.find(expected) != std::string::npos, "JSON lacks " << expected << ":\n" << json);
   }
   const std::string xml = serialize_checkpoint(record, checkpoint_format::xml);
-  for (const char* expected : {"<weighted_gradients_record>", "<cereal_class_version>1</cereal_class_version>",
+  for (const char* expected : {"<weighted_gradients_record>", "<cereal_class_version>2</cereal_class_version>",
                                "<dtype>F32</dtype>", "<loss_scale>1024</loss_scale>", "<microbatches>2</microbatches>",
-                               "<id>fc1.bias</id>", "<shape size=\"dynamic\">", "<values size=\"dynamic\">"}) {
+                               "<id>fc1.bias</id>", "<shape size=\"dynamic\">", "<values>0.5 -2</values>"}) {
     CHECK_MESSAGE(xml.find(expected) != std::string::npos, "XML lacks " << expected << ":\n" << xml);
   }
   // 16-bit values are their bit patterns: 0x3c00 is F16 1.0.
-  const gradients_params_record half{{{"h", float_dtype::f16, {1, 1}, std::vector<std::uint16_t>{0x3c00}}}};
-  CHECK(serialize_checkpoint(half, checkpoint_format::json).find("15360") != std::string::npos);
-  CHECK(serialize_checkpoint(half, checkpoint_format::xml).find(">15360<") != std::string::npos);
+  const gradients_params_record half{{{"h", float_dtype::f16, {1, 2}, std::vector<std::uint16_t>{0x3c00, 0}}}};
+  CHECK(serialize_checkpoint(half, checkpoint_format::json).find("\"values\": \"15360 0\"") != std::string::npos);
+  CHECK(serialize_checkpoint(half, checkpoint_format::xml).find(">15360 0<") != std::string::npos);
+}
+
+TEST_CASE("text archives write each value as its shortest round-trip text") {
+  // 0.1F as a double would be 0.10000000149011612; the float's shortest text is 0.1.
+  const gradients_params_record record{{
+      {"f32", float_dtype::f32, {1, 4}, std::vector<float>{0.1F, 1.0F / 3.0F, -0.0F, 3e38F}},
+      {"f64", float_dtype::f64, {1, 2}, std::vector<double>{0.1, -std::numeric_limits<double>::infinity()}},
+  }};
+  const std::string json = serialize_checkpoint(record, checkpoint_format::json);
+  CHECK_MESSAGE(json.find("\"values\": \"0.1 0.33333334 -0 3e+38\"") != std::string::npos, json);
+  CHECK_MESSAGE(json.find("\"values\": \"0.1 -inf\"") != std::string::npos, json);
 }
 
 TEST_CASE("binary archives hold a tensor's values as one raw row-major block after its count") {

@@ -30,6 +30,10 @@
 ///                                                      const device_type&);
 ///   // host_memory_backend adds:
 ///   template <class T> static T* data(tensor<T>&) noexcept;  // the elements, contiguous, in host memory
+///   // optional, for checkpoints without intermediate copies (F32 and F64):
+///   template <class T> static tensor<T> uninitialized(const gradaccum::tensor_shape&, const device_type&);
+///   static T* row_major_data(tensor<T>&) noexcept;             // storage if it is row-major, else null
+///   static const T* row_major_data(const tensor<T>&) noexcept;
 /// };
 /// @endcode
 
@@ -100,6 +104,16 @@ concept row_major_io = requires(const typename B::template tensor<T>& t, std::sp
                                 const tensor_shape& shape, const typename B::device_type& device) {
   B::to_row_major(t, out);
   { B::template from_row_major<T>(in, shape, device) } -> std::same_as<typename B::template tensor<T>>;
+};
+
+/// Whether checkpoints can read and write tensor<T>'s storage in place (see the optional
+/// functions above).
+template <class B, class T>
+concept lends_row_major = requires(typename B::template tensor<T>& t, const typename B::template tensor<T>& c,
+                                   const tensor_shape& shape, const typename B::device_type& device) {
+  { B::template uninitialized<T>(shape, device) } -> std::same_as<typename B::template tensor<T>>;
+  { B::row_major_data(t) } noexcept -> std::same_as<T*>;
+  { B::row_major_data(c) } noexcept -> std::same_as<const T*>;
 };
 
 template <class B, class List>

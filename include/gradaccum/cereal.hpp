@@ -18,9 +18,11 @@
 /// - Every type carries `record_format_version` as its cereal class version.
 /// - Dtypes are written as their text names ("F32"); 16-bit values as their bit patterns.
 /// - Binary archives write each string and each list as a size followed by one raw block
-///   (`cereal::binary_data`), never element by element. Text archives write lists as arrays of
-///   numbers: exact for every finite value, ±inf and NaN; a NaN's sign and payload survive
-///   binary archives only.
+///   (`cereal::binary_data`), never element by element. Text archives write shapes as arrays of
+///   numbers and values as one string of numbers separated by spaces, each the shortest text
+///   that reads back to the same value (`std::to_chars`, about 10 bytes per F32): exact for
+///   every finite value, ±inf and NaN; a NaN keeps its sign, and its payload survives binary
+///   archives only.
 ///
 /// Loading treats the bytes as untrusted. Every problem found by these functions throws
 /// `gradaccum::error` naming it: `errc::invalid_state` for the accumulation state's fields and
@@ -40,6 +42,7 @@
 /// document without a record, which cereal's XML archive (1.3) dereferences a null node for.
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <cstddef>
@@ -53,6 +56,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -71,8 +75,9 @@ class XMLInputArchive;  // only compared against: its integer parsing needs a st
 namespace gradaccum {
 
 /// @brief Version of the record format: the cereal class version of every record type. Loading
-/// rejects any other version.
-inline constexpr std::uint32_t record_format_version = 1;
+/// rejects any other version. Version 2 writes text archives' values as one string of shortest
+/// round-trip numbers (version 1 wrote arrays of doubles); binary layouts are unchanged.
+inline constexpr std::uint32_t record_format_version = 2;
 
 namespace detail {
 
@@ -105,10 +110,12 @@ class sized_input_archive final : private istream_holder, public Archive {
 };
 
 /// Bytes left in `ar`'s input, when it knows (cereal hands loaders the base archive type).
+/// Comparing type_info objects is a pointer comparison for the same type, where dynamic_cast
+/// compares type names (it ran several times per tensor of a checkpoint).
 template <class Archive>
 std::optional<std::uint64_t> remaining_input(const Archive& ar) noexcept {
-  if (const auto* sized = dynamic_cast<const sized_input_archive<Archive>*>(&ar)) return sized->remaining();
-  return std::nullopt;
+  if (typeid(ar) != typeid(sized_input_archive<Archive>)) return std::nullopt;
+  return static_cast<const sized_input_archive<Archive>&>(ar).remaining();
 }
 
 template <class Archive>
@@ -203,7 +210,7 @@ concept raw_element = std::is_same_v<T, std::uint16_t> || std::is_same_v<T, floa
                       std::is_same_v<T, std::uint64_t> || std::is_same_v<T, char>;
 
 /// Saves a size and the elements: one raw block in binary archives, one number each in text
-/// archives.
+/// archives (for shapes; values are saved by `save_values`).
 template <class Archive, raw_element T>
 void save_elements(Archive& ar, std::span<const T> values) {
   ar(cereal::make_size_tag(static_cast<cereal::size_type>(values.size())));
@@ -214,13 +221,11 @@ void save_elements(Archive& ar, std::span<const T> values) {
   }
 }
 
-/// Reads `count` elements of a raw block into `out` (a vector or a string). With a known
-/// remaining input the block is checked against it and allocated once; otherwise capacity
-/// grows geometrically from 4 KiB with what has actually been read. Either way reads go in
-/// chunks of at most 1 MiB, so value-initializing a chunk and filling it share the cache.
-template <class Archive, class Container>
-void load_raw(Archive& ar, Container& out, std::uint64_t count, const load_site& site, std::string_view field) {
-  using T = typename Container::value_type;
+/// Checks that `count` elements of T can be read: addressable, and (when the archive knows)
+/// held by the bytes that remain, which it returns. Runs before anything is allocated for them.
+template <class T, class Archive>
+std::optional<std::uint64_t> check_block_fits(const Archive& ar, std::uint64_t count, const load_site& site,
+                                              std::string_view field) {
   constexpr std::uint64_t addressable =
       static_cast<std::uint64_t>(std::numeric_limits<std::ptrdiff_t>::max()) / sizeof(T);
   const std::optional<std::uint64_t> remaining = remaining_input(ar);
@@ -230,11 +235,22 @@ void load_raw(Archive& ar, Container& out, std::uint64_t count, const load_site&
               (remaining ? "the " + std::to_string(*remaining) + " bytes left hold: the input is truncated or corrupt."
                          : std::string("memory can address.")));
   }
+  return remaining;
+}
+
+/// Reads `count` elements of a raw block into `out` (a vector or a string). With a known
+/// remaining input the block is checked against it and allocated once; otherwise capacity
+/// grows geometrically from 4 KiB with what has actually been read. Either way reads go in
+/// chunks of at most 1 MiB, so value-initializing a chunk and filling it share the cache.
+template <class Archive, class Container>
+void load_raw(Archive& ar, Container& out, std::uint64_t count, const load_site& site, std::string_view field) {
+  using T = typename Container::value_type;
+  const bool sized = check_block_fits<T>(ar, count, site, field).has_value();
   constexpr std::size_t first_capacity = 4096 / sizeof(T);
   constexpr std::size_t max_chunk = (std::size_t{1} << 20) / sizeof(T);
   const auto total = static_cast<std::size_t>(count);
   Container loaded;
-  if (remaining) loaded.reserve(total);
+  if (sized) loaded.reserve(total);
   while (loaded.size() < total) {
     const std::size_t done = loaded.size();
     if (done == loaded.capacity()) loaded.reserve(std::min(total, std::max(first_capacity, 2 * done)));
@@ -278,45 +294,74 @@ double load_real(Archive& ar, const load_site& site, const char* field) {
   return value;
 }
 
-/// Loads one element of a text archive's list.
-template <class Archive, raw_element T>
-T load_text_element(Archive& ar, const load_site& site) {
-  if constexpr (std::is_same_v<T, std::uint16_t>) {
-    return static_cast<std::uint16_t>(load_unsigned(ar, site, nullptr, 0xffff));
-  } else if constexpr (std::is_same_v<T, std::uint64_t>) {
-    return load_unsigned(ar, site, nullptr, std::numeric_limits<std::uint64_t>::max());
-  } else if constexpr (std::is_same_v<T, float>) {
-    // Text archives hold numbers as doubles; a finite one beyond float's range is not an F32 value.
-    const double value = load_real(ar, site, nullptr);
-    if (std::fabs(value) > static_cast<double>(std::numeric_limits<float>::max()) && std::isfinite(value)) {
-      site.fail("holds the value " + std::to_string(value) + ", which is beyond the range of F32.");
-    }
-    return static_cast<float>(value);
-  } else {
-    return load_real(ar, site, nullptr);
+// ---- Values in text archives -------------------------------------------------------------------
+
+/// Longest text `std::to_chars` writes for a T ("-2.2250738585072014e-308" for a double).
+template <raw_element T>
+inline constexpr std::size_t max_value_text = std::is_same_v<T, double>  ? 24
+                                              : std::is_same_v<T, float> ? 15
+                                                                         : 5;
+
+/// The values as one string of numbers separated by spaces: each the shortest text that reads
+/// back to the same value (`std::to_chars`), 16-bit values as their bit patterns. A float
+/// written as a double would take 17 digits, and an array one line per number.
+template <raw_element T>
+std::string values_text(std::span<const T> values) {
+  std::string text;
+  text.reserve(values.size() * (max_value_text<T> + 1));
+  std::array<char, max_value_text<T>> buffer{};
+  for (const T value : values) {
+    if (!text.empty()) text += ' ';
+    text.append(buffer.data(), std::to_chars(buffer.data(), buffer.data() + buffer.size(), value).ptr);
   }
+  return text;
 }
 
-/// Loads `count` elements (the size already read and checked) into `out`.
-template <class Archive, raw_element T>
-void load_elements(Archive& ar, std::vector<T>& out, std::uint64_t count, const load_site& site,
-                   std::string_view field) {
-  if constexpr (is_text_archive<Archive>) {
-    // `count` is the length of an array already parsed into memory: allocating it is justified.
-    std::vector<T> loaded(static_cast<std::size_t>(count));
-    for (T& value : loaded) value = load_text_element<Archive, T>(ar, site);
-    out = std::move(loaded);
-  } else {
-    load_raw(ar, out, count, site, field);
+constexpr bool is_value_separator(char c) noexcept {
+  return c == ' ' || c == '\n' || c == '\t' || c == '\r';
+}
+
+/// What a value of T must be, for messages.
+template <raw_element T>
+constexpr std::string_view value_kind() noexcept {
+  if constexpr (std::is_same_v<T, std::uint16_t>) return "a 16-bit pattern (an integer from 0 to 65535)";
+  if constexpr (std::is_same_v<T, float>) return "an F32 value";
+  return "an F64 value";
+}
+
+/// Reads the numbers of `text` (`values_text`; any whitespace separates) into `out`, which has
+/// room for exactly as many as the tensor's shape holds. `std::from_chars` rounds once, so
+/// every value comes back bit for bit (a NaN as a NaN of its sign).
+template <raw_element T>
+void parse_values_text(std::string_view text, std::span<T> out, const load_site& site) {
+  const char* at = text.data();
+  const char* const end = at + text.size();
+  const auto skip_separators = [&] {
+    while (at != end && is_value_separator(*at)) ++at;
+  };
+  std::size_t count = 0;
+  for (skip_separators(); at != end; skip_separators()) {
+    if (count == out.size()) site.fail("holds more values than the " + std::to_string(out.size()) + " of its shape.");
+    const auto [next, problem] = std::from_chars(at, end, out[count]);
+    if (problem != std::errc{} || (next != end && !is_value_separator(*next))) {
+      const std::string_view token(at, static_cast<std::size_t>(std::find_if(at, end, is_value_separator) - at));
+      site.fail("holds the value " + quote(token) + ", which is not " + std::string(value_kind<T>()) + ".");
+    }
+    at = next;
+    ++count;
+  }
+  if (count != out.size()) {
+    site.fail("holds " + std::to_string(count) + " values for the " + std::to_string(out.size()) +
+              " elements of its shape.");
   }
 }
 
 // ---- Strings and dtype names -----------------------------------------------------------------
 
 template <class Archive>
-void save_string(Archive& ar, const char* field, const std::string& text) {
+void save_string(Archive& ar, const char* field, std::string_view text) {
   if constexpr (is_text_archive<Archive>) {
-    ar(cereal::make_nvp(field, text));
+    ar(cereal::make_nvp(field, std::string(text)));
   } else {
     ar(cereal::make_size_tag(static_cast<cereal::size_type>(text.size())));
     ar(cereal::binary_data(text.data(), text.size()));
@@ -378,115 +423,312 @@ decltype(auto) visit_stored_type(float_dtype dtype, F&& f) {
 inline void check_format_version(std::uint32_t version, std::string_view type) {
   if (version != record_format_version) {
     fail(errc::invalid_record, std::string(type) + " has format version " + std::to_string(version) +
-                                   "; this build reads version " + std::to_string(record_format_version) + ".");
+                                   "; this build reads version " + std::to_string(record_format_version) +
+                                   (version < record_format_version ? " (older versions are not read)." : "."));
   }
+}
+
+// ---- Saving ------------------------------------------------------------------------------------
+
+template <class Archive>
+void save_tensor(Archive& ar, const tensor_view& tensor) {
+  save_string(ar, "id", tensor.id);
+  save_string(ar, "dtype", to_string(tensor.dtype));
+  ar(cereal::make_nvp("shape", archive_node{[&](auto& node) { save_elements(node, tensor.shape); }}));
+  std::visit(
+      [&](const auto values) {
+        if constexpr (is_text_archive<Archive>) {
+          ar(cereal::make_nvp("values", values_text(values)));
+        } else {
+          ar(cereal::make_size_tag(static_cast<cereal::size_type>(values.size())));
+          ar(cereal::binary_data(values.data(), values.size_bytes()));
+        }
+      },
+      tensor.values);
+}
+
+inline const tensor_view& view_of(const tensor_view& tensor) noexcept {
+  return tensor;
+}
+
+/// `tensors` (records or views) as the list of a gradients record. A binary archive holds the
+/// tensor type's version before the first tensor only, and cereal finds that out under a mutex,
+/// with allocations, for every object it is given: the other tensors are written directly
+/// (the same bytes), as `load` reads them.
+template <class Archive, class Tensors>
+void save_tensors(Archive& ar, const Tensors& tensors) {
+  ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
+                        node(cereal::make_size_tag(static_cast<cereal::size_type>(tensors.size())));
+                        bool first = true;
+                        for (const auto& tensor : tensors) {
+                          if (is_text_archive<Archive> || std::exchange(first, false)) {
+                            node(tensor);
+                          } else {
+                            save_tensor(node, view_of(tensor));
+                          }
+                        }
+                      }}));
+}
+
+template <class Archive>
+void save(Archive& ar, const tensor_view& tensor, const std::uint32_t /*version*/) {
+  save_tensor(ar, tensor);
+}
+
+template <class Archive>
+void save(Archive& ar, const gradients_view& gradients, const std::uint32_t /*version*/) {
+  save_tensors(ar, gradients.tensors);
+}
+
+template <class Archive>
+void save(Archive& ar, const weighted_gradients_view& record, const std::uint32_t /*version*/) {
+  ar(cereal::make_nvp("state", record.state), cereal::make_nvp("gradients", record.gradients));
+}
+
+// ---- Loading into a sink -----------------------------------------------------------------------
+//
+// The loaders below read a record's fields in order and hand what they read to a sink, so the
+// same code fills a record (`record_sink`) or restores an accumulator's tensors straight from
+// the input (the accumulators' `restorer`). A sink has
+//   state(const weighted_accumulation_state&)    the window's state, before any tensor;
+//   reserve(std::size_t)                         a count of tensors the input can hold;
+//   add(std::string&& id, float_dtype, const tensor_shape&, const values_reader<A>&)
+//                                                one tensor, whose values it reads with the
+//                                                reader; it may move from `id` once they are in.
+
+/// @brief The values of one tensor, not read yet: `count` of them, the shape's element count.
+template <class Archive>
+class values_reader {
+ public:
+  values_reader(Archive& ar, std::uint64_t count, const load_site& site, std::string_view text) noexcept
+      : ar_(ar), count_(count), site_(site), text_(text) {}
+
+  /// Reads the values into `out` (exactly `count` elements, e.g. a tensor's storage).
+  template <raw_element S>
+  void into(std::span<S> out) const {
+    if constexpr (is_text_archive<Archive>) {
+      parse_values_text(text_, out, site_);
+    } else {
+      ar_(cereal::binary_data(out.data(), out.size_bytes()));
+    }
+  }
+
+  /// Reads the values into a new vector, grown only as bytes arrive (see `load_raw`).
+  template <raw_element S>
+  void into(std::vector<S>& out) const {
+    if constexpr (is_text_archive<Archive>) {
+      std::vector<S> loaded(static_cast<std::size_t>(count_));
+      into(std::span<S>(loaded));
+      out = std::move(loaded);
+    } else {
+      load_raw(ar_, out, count_, site_, "values");
+    }
+  }
+
+ private:
+  Archive& ar_;
+  std::uint64_t count_;
+  const load_site& site_;
+  std::string_view text_;  // text archives: the values' text, already read
+};
+
+/// Reads one tensor's id, dtype and shape, then has `sink.add` take it and read its values.
+template <class Archive, class Sink>
+void load_tensor(Archive& ar, Sink& sink) {
+  std::string id =
+      load_string(ar, {errc::invalid_record, "a record tensor"}, "id", std::numeric_limits<std::uint64_t>::max());
+  const load_site site{errc::invalid_record, "record tensor", &id};
+  const float_dtype dtype = load_dtype(ar, site);
+
+  std::array<std::uint64_t, max_rank> dims{};
+  std::size_t rank = 0;
+  read_field<Archive>(site, "shape", "a list of dimensions", [&] {
+    ar(cereal::make_nvp("shape", archive_node{[&](auto& node) {
+                          cereal::size_type declared = 0;
+                          node(cereal::make_size_tag(declared));
+                          if (declared > max_rank) {
+                            site.fail("has rank " + std::to_string(declared) + ", more than the supported " +
+                                      std::to_string(max_rank) + ".");
+                          }
+                          rank = static_cast<std::size_t>(declared);
+                          if constexpr (is_text_archive<Archive>) {
+                            for (std::size_t axis = 0; axis < rank; ++axis) {
+                              dims[axis] =
+                                  load_unsigned(node, site, nullptr, std::numeric_limits<std::uint64_t>::max());
+                            }
+                          } else {
+                            node(cereal::binary_data(dims.data(), rank * sizeof(std::uint64_t)));
+                          }
+                        }}));
+  });
+  const tensor_shape shape(std::span<const std::uint64_t>(dims.data(), rank));
+  const std::optional<std::size_t> elements = shape.checked_element_count();
+  if (!elements) site.fail("has shape " + shape.to_string() + ", whose element count overflows.");
+
+  read_field<Archive>(site, "values", is_text_archive<Archive> ? "a string of numbers" : "", [&] {
+    if constexpr (is_text_archive<Archive>) {
+      std::string text;
+      ar(cereal::make_nvp("values", text));
+      // Every value takes a character and all but the last a separator: a bound on the count
+      // before anything is allocated for it.
+      if (*elements > (text.size() + 1) / 2) {
+        site.fail("has " + std::to_string(text.size()) + " characters of values, too few for the " +
+                  std::to_string(*elements) + " elements of shape " + shape.to_string() + ".");
+      }
+      sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, *elements, site, text));
+    } else {
+      cereal::size_type count = 0;
+      ar(cereal::make_size_tag(count));
+      if (count != *elements) {
+        site.fail("declares " + std::to_string(count) + " values for shape " + shape.to_string() + " of " +
+                  std::to_string(*elements) + " elements.");
+      }
+      visit_stored_type(dtype, [&]<class S>() { check_block_fits<S>(ar, count, site, "values"); });
+      sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, count, site, {}));
+    }
+  });
+}
+
+/// @brief A sink that fills a record.
+struct record_sink {
+  weighted_gradients_record record;
+
+  void state(const weighted_accumulation_state& state) noexcept { record.state = state; }
+  void reserve(std::size_t count) { record.gradients.tensors.reserve(count); }
+  template <class Values>
+  void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
+    tensor_record tensor{{}, dtype, std::vector<std::uint64_t>(shape.begin(), shape.end()), {}};
+    visit_stored_type(dtype, [&]<class S>() { values.into(tensor.values.template emplace<std::vector<S>>()); });
+    tensor.id = std::move(id);
+    record.gradients.tensors.push_back(std::move(tensor));
+  }
+};
+
+/// Loads one tensor of a list into `sink` through cereal, which reads the tensor type's version
+/// the first time in an archive. A record's tensors load as `tensor_record`, the type they were
+/// saved as, so cereal's bookkeeping of which versions it has read matches the saving side's
+/// even in an archive holding several records.
+template <class Archive, class Sink>
+void load_listed_tensor(Archive& ar, Sink& sink);
+template <class Archive>
+void load_listed_tensor(Archive& ar, record_sink& sink);
+
+/// Loads the "gradients" of a weighted record into `sink` (as `gradients_params_record` for
+/// records, for the reason above).
+template <class Archive, class Sink>
+void load_gradients_field(Archive& ar, Sink& sink);
+template <class Archive>
+void load_gradients_field(Archive& ar, record_sink& sink);
+
+template <class Sink>
+struct tensor_into {
+  Sink* sink;
+};
+template <class Sink>
+struct gradients_into {
+  Sink* sink;
+};
+template <class Sink>
+struct weighted_into {
+  Sink* sink;
+};
+
+template <class Archive, class Sink>
+void load(Archive& ar, tensor_into<Sink>& into, const std::uint32_t version) {
+  check_format_version(version, "a tensor record");
+  load_tensor(ar, *into.sink);
+}
+
+template <class Archive, class Sink>
+void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) {
+  check_format_version(version, "a gradients record");
+  const load_site site{errc::invalid_record, "gradients record"};
+  read_field<Archive>(site, "tensors", "a list of tensors", [&] {
+    ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
+                          cereal::size_type count = 0;
+                          node(cereal::make_size_tag(count));
+                          // A text archive's count is the length of an array it has parsed; a binary archive's
+                          // may be forged, so there the sink reserves only what the remaining input can hold.
+                          if constexpr (is_text_archive<Archive>) {
+                            into.sink->reserve(static_cast<std::size_t>(count));
+                          } else if (const auto remaining = remaining_input(node)) {
+                            const std::uint64_t room = *remaining / min_binary_tensor_bytes;
+                            into.sink->reserve(static_cast<std::size_t>(std::min<std::uint64_t>(count, room)));
+                          }
+                          // The first tensor through cereal, which reads the version (see `save_tensors`).
+                          for (cereal::size_type i = 0; i < count; ++i) {
+                            if (is_text_archive<Archive> || i == 0) {
+                              load_listed_tensor(node, *into.sink);
+                            } else {
+                              load_tensor(node, *into.sink);
+                            }
+                          }
+                        }}));
+  });
+}
+
+template <class Archive, class Sink>
+void load(Archive& ar, weighted_into<Sink>& into, const std::uint32_t version) {
+  check_format_version(version, "a weighted gradients record");
+  weighted_accumulation_state state;
+  // The state comes first, so a reader learns the work dtype before any tensor.
+  read_field<Archive>({errc::invalid_state, "weighted gradients record"}, "state", "an accumulation state",
+                      [&] { ar(cereal::make_nvp("state", state)); });
+  into.sink->state(state);
+  read_field<Archive>({errc::invalid_record, "weighted gradients record"}, "gradients", "a gradients record",
+                      [&] { load_gradients_field(ar, *into.sink); });
+}
+
+template <class Archive, class Sink>
+void load_listed_tensor(Archive& ar, Sink& sink) {
+  tensor_into<Sink> tensor{&sink};
+  ar(tensor);
+}
+
+template <class Archive, class Sink>
+void load_gradients_field(Archive& ar, Sink& sink) {
+  gradients_into<Sink> gradients{&sink};
+  ar(cereal::make_nvp("gradients", gradients));
 }
 
 }  // namespace detail
 
-// ---- tensor_record ---------------------------------------------------------------------------
+// ---- Records -----------------------------------------------------------------------------------
 
 template <class Archive>
 void save(Archive& ar, const tensor_record& tensor, const std::uint32_t /*version*/) {
-  detail::save_string(ar, "id", tensor.id);
-  detail::save_string(ar, "dtype", std::string(to_string(tensor.dtype)));
-  ar(cereal::make_nvp("shape", detail::archive_node{[&](auto& node) {
-                        detail::save_elements(node, std::span<const std::uint64_t>(tensor.shape));
-                      }}));
-  ar(cereal::make_nvp("values", detail::archive_node{[&](auto& node) {
-                        std::visit([&](const auto& values) { detail::save_elements(node, std::span(values)); },
-                                   tensor.values);
-                      }}));
+  detail::save_tensor(ar, detail::view_of(tensor));
 }
 
 template <class Archive>
 void load(Archive& ar, tensor_record& tensor, const std::uint32_t version) {
-  detail::check_format_version(version, "a tensor record");
-  tensor_record loaded;
-  loaded.id = detail::load_string(ar, {errc::invalid_record, "a record tensor"}, "id",
-                                  std::numeric_limits<std::uint64_t>::max());
-  const detail::load_site site{errc::invalid_record, "record tensor", &loaded.id};
-  loaded.dtype = detail::load_dtype(ar, site);
-
-  detail::read_field<Archive>(site, "shape", "a list of dimensions", [&] {
-    ar(cereal::make_nvp("shape", detail::archive_node{[&](auto& node) {
-                          cereal::size_type rank = 0;
-                          node(cereal::make_size_tag(rank));
-                          if (rank > max_rank) {
-                            site.fail("has rank " + std::to_string(rank) + ", more than the supported " +
-                                      std::to_string(max_rank) + ".");
-                          }
-                          detail::load_elements(node, loaded.shape, rank, site, "shape");
-                        }}));
-  });
-  const tensor_shape shape = detail::record_shape(loaded);
-  const std::optional<std::size_t> elements = shape.checked_element_count();
-  if (!elements) site.fail("has shape " + shape.to_string() + ", whose element count overflows.");
-
-  detail::read_field<Archive>(site, "values", "a list of numbers", [&] {
-    ar(cereal::make_nvp("values", detail::archive_node{[&](auto& node) {
-                          cereal::size_type count = 0;
-                          node(cereal::make_size_tag(count));
-                          if (count != *elements) {
-                            site.fail("declares " + std::to_string(count) + " values for shape " + shape.to_string() +
-                                      " of " + std::to_string(*elements) + " elements.");
-                          }
-                          detail::visit_stored_type(loaded.dtype, [&]<class S>() {
-                            detail::load_elements(node, loaded.values.template emplace<std::vector<S>>(), count, site,
-                                                  "values");
-                          });
-                        }}));
-  });
-  tensor = std::move(loaded);
+  detail::record_sink sink;
+  detail::tensor_into<detail::record_sink> into{&sink};
+  detail::load(ar, into, version);
+  tensor = std::move(sink.record.gradients.tensors.front());
 }
-
-// ---- gradients_params_record ------------------------------------------------------------------
 
 /// @throws error(errc::invalid_record) for a record that would not load back (see `validate`).
 template <class Archive>
 void save(Archive& ar, const gradients_params_record& record, const std::uint32_t /*version*/) {
   validate(record);
-  ar(cereal::make_nvp("tensors", detail::archive_node{[&](auto& node) {
-                        node(cereal::make_size_tag(static_cast<cereal::size_type>(record.tensors.size())));
-                        for (const tensor_record& tensor : record.tensors) node(tensor);
-                      }}));
+  detail::save_tensors(ar, record.tensors);
 }
 
 template <class Archive>
 void load(Archive& ar, gradients_params_record& record, const std::uint32_t version) {
-  detail::check_format_version(version, "a gradients record");
-  const detail::load_site site{errc::invalid_record, "gradients record"};
-  gradients_params_record loaded;
-  detail::read_field<Archive>(site, "tensors", "a list of tensors", [&] {
-    ar(cereal::make_nvp("tensors", detail::archive_node{[&](auto& node) {
-                          cereal::size_type count = 0;
-                          node(cereal::make_size_tag(count));
-                          // A text archive's count is the length of an array it has parsed; a binary archive's
-                          // may be forged, so there the list reserves only what the remaining input can hold.
-                          if constexpr (detail::is_text_archive<Archive>) {
-                            loaded.tensors.reserve(static_cast<std::size_t>(count));
-                          } else if (const auto remaining = detail::remaining_input(node)) {
-                            const std::uint64_t room = *remaining / detail::min_binary_tensor_bytes;
-                            loaded.tensors.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(count, room)));
-                          }
-                          for (cereal::size_type i = 0; i < count; ++i) {
-                            tensor_record tensor;
-                            node(tensor);
-                            loaded.tensors.push_back(std::move(tensor));
-                          }
-                        }}));
-  });
-  validate(loaded);
-  record = std::move(loaded);
+  detail::record_sink sink;
+  detail::gradients_into<detail::record_sink> into{&sink};
+  detail::load(ar, into, version);
+  validate(sink.record.gradients);
+  record = std::move(sink.record.gradients);
 }
-
-// ---- weighted_accumulation_state ---------------------------------------------------------------
 
 /// @throws error(errc::invalid_state) for a state that would not load back (see `validate`).
 template <class Archive>
 void save(Archive& ar, const weighted_accumulation_state& state, const std::uint32_t /*version*/) {
   validate(state);
-  detail::save_string(ar, "dtype", std::string(to_string(state.dtype)));
+  detail::save_string(ar, "dtype", to_string(state.dtype));
   ar(cereal::make_nvp("loss_scale", state.loss_scale), cereal::make_nvp("total_weight", state.total_weight),
      cereal::make_nvp("microbatches", state.microbatches));
 }
@@ -504,8 +746,6 @@ void load(Archive& ar, weighted_accumulation_state& state, const std::uint32_t v
   state = loaded;
 }
 
-// ---- weighted_gradients_record ----------------------------------------------------------------
-
 /// @throws error(errc::invalid_state) or error(errc::invalid_record) for a record that would not
 /// load back (see `validate`).
 template <class Archive>
@@ -516,20 +756,35 @@ void save(Archive& ar, const weighted_gradients_record& record, const std::uint3
 
 template <class Archive>
 void load(Archive& ar, weighted_gradients_record& record, const std::uint32_t version) {
-  detail::check_format_version(version, "a weighted gradients record");
-  weighted_gradients_record loaded;
-  // The state comes first, so a reader learns the work dtype before any tensor.
-  detail::read_field<Archive>({errc::invalid_state, "weighted gradients record"}, "state", "an accumulation state",
-                              [&] { ar(cereal::make_nvp("state", loaded.state)); });
-  detail::read_field<Archive>({errc::invalid_record, "weighted gradients record"}, "gradients", "a gradients record",
-                              [&] { ar(cereal::make_nvp("gradients", loaded.gradients)); });
-  validate(loaded);
-  record = std::move(loaded);
+  detail::record_sink sink;
+  detail::weighted_into<detail::record_sink> into{&sink};
+  detail::load(ar, into, version);
+  validate(sink.record);
+  record = std::move(sink.record);
 }
 
 }  // namespace gradaccum
+
+namespace gradaccum::detail {
+
+template <class Archive>
+void load_listed_tensor(Archive& ar, record_sink& sink) {
+  tensor_record tensor;
+  ar(tensor);
+  sink.record.gradients.tensors.push_back(std::move(tensor));
+}
+
+template <class Archive>
+void load_gradients_field(Archive& ar, record_sink& sink) {
+  ar(cereal::make_nvp("gradients", sink.record.gradients));
+}
+
+}  // namespace gradaccum::detail
 
 CEREAL_CLASS_VERSION(gradaccum::tensor_record, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::gradients_params_record, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::weighted_accumulation_state, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::weighted_gradients_record, gradaccum::record_format_version)
+CEREAL_CLASS_VERSION(gradaccum::detail::tensor_view, gradaccum::record_format_version)
+CEREAL_CLASS_VERSION(gradaccum::detail::gradients_view, gradaccum::record_format_version)
+CEREAL_CLASS_VERSION(gradaccum::detail::weighted_gradients_view, gradaccum::record_format_version)

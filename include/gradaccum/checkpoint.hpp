@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -156,15 +157,22 @@ constexpr bool is_text_format(checkpoint_format format) noexcept {
   return format == checkpoint_format::json || format == checkpoint_format::xml;
 }
 
-/// The name of the outermost node, which tells text readers what the document holds.
-template <checkpoint_record R>
+/// The name of the outermost node, which tells text readers what the document holds; a view
+/// is written as the record it borrows from.
+template <class R>
 constexpr const char* record_name() noexcept {
-  if constexpr (std::is_same_v<R, weighted_gradients_record>) return "weighted_gradients_record";
-  if constexpr (std::is_same_v<R, gradients_params_record>) return "gradients_params_record";
-  if constexpr (std::is_same_v<R, weighted_accumulation_state>) return "weighted_accumulation_state";
+  if constexpr (std::is_same_v<R, weighted_gradients_record> || std::is_same_v<R, weighted_gradients_view>) {
+    return "weighted_gradients_record";
+  } else if constexpr (std::is_same_v<R, gradients_params_record> || std::is_same_v<R, gradients_view>) {
+    return "gradients_params_record";
+  } else {
+    static_assert(std::is_same_v<R, weighted_accumulation_state>);
+    return "weighted_accumulation_state";
+  }
 }
 
-template <checkpoint_record R>
+/// Writes a record or a view of one.
+template <class R>
 void write_record(std::ostream& out, const R& record, checkpoint_format format) {
   visit_format(format, [&]<class Archives>() {
     typename Archives::output archive(out);
@@ -314,12 +322,12 @@ class memory_streambuf final : public sized_streambuf {
   }
 };
 
-/// Reads one record with the hardened loaders; cereal's own failures (a short outermost
-/// version, a root that is not an object) become `error(errc::invalid_record)` too. Binary
-/// input must end with the record.
-template <checkpoint_record R>
-R read_record(sized_streambuf& source, checkpoint_format format) {
-  R record;
+/// Reads `into` (a record, or a loader's sink target such as `weighted_into<S>`) from
+/// `source` with the hardened loaders, as the outermost object of a document holding a record
+/// of type R; cereal's own failures (a short outermost version, a root that is not an object)
+/// become `error(errc::invalid_record)` too. Binary input must end with the record.
+template <checkpoint_record R, class Into>
+void read_into(sized_streambuf& source, checkpoint_format format, Into& into) {
   const auto fail_with = [&](const char* cause) {
     // Outside our loaders, cereal only reads a binary input's version and byte order tag.
     fail(errc::invalid_record, "checkpoint is not a valid " + std::string(to_string(format)) + " " + record_name<R>() +
@@ -332,7 +340,7 @@ R read_record(sized_streambuf& source, checkpoint_format format) {
       if constexpr (requires { archive.getNodeName(); }) {
         if (archive.getNodeName() == nullptr) fail(errc::invalid_record, "checkpoint holds no record.");
       }
-      archive(record);
+      archive(into);
     });
   } catch (const cereal::Exception& e) {
     fail_with(e.what());
@@ -344,7 +352,14 @@ R read_record(sized_streambuf& source, checkpoint_format format) {
                                    " bytes after its record; it is not one " + std::string(to_string(format)) +
                                    " record.");
   }
-  return record;
+}
+
+/// Runs `read(source)` over `bytes`; text documents are checked first (`check_text_document`).
+template <class F>
+void read_bytes(std::string_view bytes, checkpoint_format format, F&& read) {
+  if (is_text_format(format)) check_text_document(bytes, format);
+  memory_streambuf source(bytes);
+  std::forward<F>(read)(source);
 }
 
 // ---- Files ---------------------------------------------------------------------------------------
@@ -584,6 +599,35 @@ class atomic_file {
   throw error(e.code(), "checkpoint " + quote(path.string()) + ": " + e.what(), e.param_id());
 }
 
+/// Writes `record` (or a view of one) to `path` atomically.
+template <class R>
+void save_file(const std::filesystem::path& path, const R& record, checkpoint_format format) {
+  atomic_file file(path);
+  file.write_and_commit([&](std::ostream& out) { write_record(out, record, format); });
+}
+
+/// Runs `read(source)` over the file at `path`; text documents are read whole and checked first.
+/// Content errors name the path; a failed read is a filesystem_error.
+template <class F>
+void read_file(const std::filesystem::path& path, checkpoint_format format, F&& read) {
+  file_source source(path);
+  try {
+    if (is_text_format(format)) {
+      read_bytes(source.read_all(), format, std::forward<F>(read));
+    } else {
+      std::forward<F>(read)(source);
+    }
+  } catch (const error& e) {
+    source.throw_if_failed();  // an I/O error, not bad content
+    fail_in_file(e, path);
+  }
+}
+
+/// Sink targets of the records accumulators save (see `<gradaccum/cereal.hpp>`).
+template <checkpoint_record R, class Sink>
+using into_for =
+    std::conditional_t<std::is_same_v<R, weighted_gradients_record>, weighted_into<Sink>, gradients_into<Sink>>;
+
 }  // namespace detail
 
 // ---- Memory ------------------------------------------------------------------------------------
@@ -601,9 +645,10 @@ template <checkpoint_record R>
 /// @throws error(errc::invalid_record) or error(errc::invalid_state) naming the problem.
 template <checkpoint_record R>
 [[nodiscard]] R parse_checkpoint(std::string_view bytes, checkpoint_format format) {
-  if (detail::is_text_format(format)) detail::check_text_document(bytes, format);
-  detail::memory_streambuf source(bytes);
-  return detail::read_record<R>(source, format);
+  R record;
+  detail::read_bytes(bytes, format,
+                     [&](detail::sized_streambuf& source) { detail::read_into<R>(source, format, record); });
+  return record;
 }
 
 // ---- Files -------------------------------------------------------------------------------------
@@ -614,9 +659,7 @@ template <checkpoint_record R>
 template <checkpoint_record R>
 void save_checkpoint(const std::filesystem::path& path, const R& record,
                      std::optional<checkpoint_format> format = std::nullopt) {
-  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
-  detail::atomic_file file(path);
-  file.write_and_commit([&](std::ostream& out) { detail::write_record(out, record, resolved); });
+  detail::save_file(path, record, format ? *format : checkpoint_format_for(path));
 }
 
 /// @brief Reads a record of type `R` from `path`.
@@ -626,29 +669,28 @@ template <checkpoint_record R>
 [[nodiscard]] R load_checkpoint(const std::filesystem::path& path,
                                 std::optional<checkpoint_format> format = std::nullopt) {
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
-  detail::file_source source(path);
-  try {
-    if (detail::is_text_format(resolved)) return parse_checkpoint<R>(source.read_all(), resolved);
-    return detail::read_record<R>(source, resolved);
-  } catch (const error& e) {
-    source.throw_if_failed();  // an I/O error, not bad content
-    detail::fail_in_file(e, path);
-  }
+  R record;
+  detail::read_file(path, resolved,
+                    [&](detail::sized_streambuf& source) { detail::read_into<R>(source, resolved, record); });
+  return record;
 }
 
 /// @brief Saves an accumulator's record (`try_to_record()`): pending values, and for a weighted
-/// accumulator the window's state.
+/// accumulator the window's state. Values are written straight from the pending tensors where
+/// the backend's layout allows (`visit_record`), so nothing is copied first.
 template <class Accumulator>
   requires requires(const Accumulator& accumulator) {
     { accumulator.try_to_record() } -> checkpoint_record;
   }
 void save_checkpoint(const std::filesystem::path& path, const Accumulator& accumulator,
                      std::optional<checkpoint_format> format = std::nullopt) {
-  save_checkpoint(path, accumulator.try_to_record(), format);
+  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
+  accumulator.visit_record([&](const auto& view) { detail::save_file(path, view, resolved); });
 }
 
-/// @brief Restores an accumulator from `path` (`load_record`, checked against `params`). The
-/// accumulator is unchanged unless everything loaded and validated.
+/// @brief Restores an accumulator from `path` (with the checks of `load_record` against
+/// `params`), reading values straight into new backend tensors where the backend's layout
+/// allows. The accumulator is unchanged unless everything loaded and validated.
 /// @throws what `load_checkpoint<R>` and the accumulator's `load_record` throw.
 template <class Accumulator, class B>
   requires requires(const Accumulator& accumulator) {
@@ -657,12 +699,13 @@ template <class Accumulator, class B>
 void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
                      std::optional<checkpoint_format> format = std::nullopt) {
   using record_type = decltype(accumulator.try_to_record());
-  const auto record = load_checkpoint<record_type>(path, format);
-  try {
-    accumulator.load_record(params, record);
-  } catch (const error& e) {
-    detail::fail_in_file(e, path);
-  }
+  using restorer = typename Accumulator::restorer;
+  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
+  restorer sink(accumulator, params);
+  detail::into_for<record_type, restorer> into{&sink};
+  detail::read_file(path, resolved,
+                    [&](detail::sized_streambuf& source) { detail::read_into<record_type>(source, resolved, into); });
+  std::move(sink).commit();
 }
 
 /// @brief Writes `record` on another thread; `get()` on the result rethrows what
@@ -676,18 +719,19 @@ template <checkpoint_record R>
   });
 }
 
-/// @brief Snapshots `accumulator` as of this call (`to_record_async`: one copy of the pending
-/// values on the calling thread) and writes it on another thread; the accumulator may be used
-/// again as soon as this returns.
+/// @brief Snapshots `accumulator` as of this call (a copy of it: one copy of the pending
+/// values on the calling thread) and writes the copy on another thread, straight from its
+/// tensors; the accumulator may be used again as soon as this returns.
 template <class Accumulator>
-  requires requires(const Accumulator& accumulator) {
-    { accumulator.to_record_async().get() } -> checkpoint_record;
+  requires std::copy_constructible<Accumulator> && requires(const Accumulator& accumulator) {
+    { accumulator.try_to_record() } -> checkpoint_record;
   }
 [[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
                                                       std::optional<checkpoint_format> format = std::nullopt) {
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
-  return std::async(std::launch::async, [path = std::move(path), snapshot = accumulator.to_record_async(),
-                                         resolved]() mutable { save_checkpoint(path, snapshot.get(), resolved); });
+  return std::async(std::launch::async, [path = std::move(path), snapshot = accumulator, resolved] {
+    save_checkpoint(path, snapshot, resolved);
+  });
 }
 
 }  // namespace gradaccum

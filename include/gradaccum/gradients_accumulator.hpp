@@ -113,21 +113,44 @@ class gradients_accumulator {
     return pending_.to_record();
   }
 
+  /// @brief `f(view)` of `try_to_record()` without its copy (see `gradients_params::visit_record`).
+  template <class F>
+  decltype(auto) visit_record(F&& f) const
+    requires serializable_backend<B>
+  {
+    return pending_.visit_record(std::forward<F>(f));
+  }
+
   /// @brief Replaces the pending sums with a record's (validated against `params` first;
   /// nothing changes on error). Values of 16-bit dtypes are rejected with invalid_dtype.
   void load_record(const parameter_set<B>& params, const gradients_params_record& record)
     requires serializable_backend<B>
   {
-    for (const tensor_record& t : record.tensors) {
-      if (!is_work_dtype(t.dtype)) {
-        detail::fail(errc::invalid_dtype,
-                     "pending tensor '" + t.id + "' has dtype " + std::string(to_string(t.dtype)) +
-                         "; pending sums are F32 or F64.",
-                     t.id);
-      }
-    }
+    for (const tensor_record& t : record.tensors) require_pending_dtype(t.id, t.dtype);
     adopt(gradients_params<B>::from_record(params, record));
   }
+
+  /// @brief Restores the pending sums tensor by tensor as a loader reads them, with the checks
+  /// of `load_record`; the accumulator changes only on `commit()`. A sink of
+  /// `<gradaccum/cereal.hpp>`'s loaders, which `load_checkpoint` uses to read values straight
+  /// into the backend's tensors.
+  class restorer {
+   public:
+    restorer(gradients_accumulator& target, const parameter_set<B>& params) noexcept
+        : target_(&target), built_(params) {}
+
+    void reserve(std::size_t count) { built_.reserve(count); }
+    template <class Values>
+    void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
+      require_pending_dtype(id, dtype);
+      built_.add(std::move(id), dtype, shape, values);
+    }
+    void commit() && noexcept { target_->adopt(std::move(built_).finish()); }
+
+   private:
+    gradients_accumulator* target_;
+    typename gradients_params<B>::builder built_;
+  };
 
   /// @brief Replaces the pending sums with `pending` (owned F32/F64 tensors, already validated
   /// against the parameters by the caller). Used when restoring.
@@ -265,6 +288,15 @@ class gradients_accumulator {
       slots_[position] = static_cast<std::uint32_t>(pending_.size());
     }
     pending_dtype_ = common_dtype(pending_);
+  }
+
+  static void require_pending_dtype(const std::string& id, float_dtype dtype) {
+    if (!is_work_dtype(dtype)) {
+      detail::fail(
+          errc::invalid_dtype,
+          "pending tensor '" + id + "' has dtype " + std::string(to_string(dtype)) + "; pending sums are F32 or F64.",
+          id);
+    }
   }
 
   /// The dtype every pending tensor shares, if there is one.

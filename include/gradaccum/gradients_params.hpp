@@ -3,6 +3,7 @@
 /// @brief `gradients_params<B>`: the gradients present for a microbatch, keyed by parameter id.
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -57,6 +59,36 @@ std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X
   if (!position) fail_unknown<B>(id);
   check_geometry<B>(params[*position], id, value);
   return *position;
+}
+
+// The two helpers below name B's optional checkpoint functions only inside templates of their
+// own: in a generic lambda of a class template, clang checks `B::member` once B is known.
+
+/// `B::row_major_data(t)` where the backend lends its storage (`lends_row_major`), else null.
+template <class B, class T>
+const T* lent_row_major(const typename B::template tensor<T>& t) noexcept {
+  if constexpr (lends_row_major<B, T>) {
+    return B::row_major_data(t);
+  } else {
+    return nullptr;
+  }
+}
+
+/// A new tensor of `shape` whose row-major values `values.into(std::span<T>)` wrote straight
+/// into its storage, where the backend lends it; else empty. Where the layout is not row-major
+/// the tensor is dropped untouched: cheap, and backends need not expose their layout rules.
+template <class B, class T, class Values>
+std::optional<typename B::template tensor<T>> filled_in_place(const tensor_shape& shape,
+                                                              const typename B::device_type& device,
+                                                              const Values& values) {
+  if constexpr (lends_row_major<B, T>) {
+    auto created = B::template uninitialized<T>(shape, device);
+    if (T* data = B::row_major_data(created)) {
+      values.into(std::span<T>(data, *shape.checked_element_count()));
+      return created;
+    }
+  }
+  return std::nullopt;
 }
 
 template <float_dtype D, class F>
@@ -234,10 +266,7 @@ class gradients_params {
   [[nodiscard]] gradients_params_record to_record() const
     requires serializable_backend<B>
   {
-    std::vector<const entry*> sorted;
-    sorted.reserve(entries_.size());
-    for (const entry& e : entries_) sorted.push_back(&e);
-    std::sort(sorted.begin(), sorted.end(), [](const entry* a, const entry* b) { return a->id < b->id; });
+    const std::vector<const entry*> sorted = sorted_entries();
     gradients_params_record record;
     record.tensors.reserve(sorted.size());
     for (const entry* e : sorted) {
@@ -245,6 +274,71 @@ class gradients_params {
     }
     return record;
   }
+
+  /// @brief Calls `f(view)` with `to_record()` as a `detail::gradients_view` and returns what `f`
+  /// returns. Values are borrowed from the tensors where the backend stores them row-major
+  /// (`B::row_major_data`) and copied only otherwise, so serializing the view writes the bytes
+  /// of `to_record()` without its copy. The view lives until `f` returns.
+  template <class F>
+  decltype(auto) visit_record(F&& f) const
+    requires serializable_backend<B>
+  {
+    const std::vector<const entry*> sorted = sorted_entries();
+    std::vector<std::array<std::uint64_t, max_rank>> shapes(sorted.size());
+    std::vector<tensor_record> copies;  // the tensors whose storage cannot be lent
+    copies.reserve(sorted.size());      // views point into it: never reallocated
+    std::vector<detail::tensor_view> views;
+    views.reserve(sorted.size());
+    for (std::size_t i = 0; i < sorted.size(); ++i) {
+      detail::visit_gradient(
+          [&](const auto& value) {
+            using X = std::remove_cvref_t<decltype(value)>;
+            using T = detail::element_of<B, X>;
+            if constexpr (std::is_same_v<X, tensor<T>> && sizeof(T) != 2) {
+              if (const T* data = detail::lent_row_major<B, T>(value)) {
+                const tensor_shape shape = B::shape(value);
+                std::copy(shape.begin(), shape.end(), shapes[i].begin());
+                views.push_back({sorted[i]->id, dtype_of<T>, std::span(shapes[i].data(), shape.rank()),
+                                 std::span<const T>(data, *shape.checked_element_count())});
+                return;
+              }
+            }
+            copies.push_back(record_of(sorted[i]->id, value));
+            views.push_back(detail::view_of(copies.back()));
+          },
+          sorted[i]->value);
+    }
+    return std::forward<F>(f)(detail::gradients_view{views});
+  }
+
+  /// @brief Builds gradients one tensor at a time with the checks of `from_record`, so a loader
+  /// can read values straight into the backend's tensors.
+  class builder {
+   public:
+    explicit builder(const parameter_set<B>& params) noexcept : params_(&params) {}
+
+    void reserve(std::size_t count) { built_.reserve(count); }
+
+    /// @brief Checks the tensor against the parameter set (see `from_record`) and the ids added
+    /// so far, creates it on its parameter's device and has `values` write its row-major values:
+    /// `values.into(std::span<T>)` straight into its storage where the backend lends it, else
+    /// `values.into(std::vector<S>&)` with S the type `record_values` holds for `dtype`.
+    /// `id` is moved from once the values are in.
+    /// @throws error(errc::invalid_record) for an id added twice, and what `from_record` throws.
+    template <class Values>
+    void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
+      const auto& param = (*params_)[check_against(*params_, id, dtype, shape)];
+      if (built_.contains(id)) detail::fail(errc::invalid_record, "record lists tensor '" + id + "' twice.", id);
+      value_type value = tensor_from(dtype, param.shape, param.device, values);
+      built_.push_back(entry{std::move(id), std::move(value)});
+    }
+
+    [[nodiscard]] gradients_params finish() && noexcept { return std::move(built_); }
+
+   private:
+    const parameter_set<B>* params_;
+    gradients_params built_;
+  };
 
   /// @brief Rebuilds gradients from a record, on the devices of `params`.
   /// @throws error(errc::invalid_record) for a malformed record, error(errc::unknown_parameters)
@@ -255,15 +349,12 @@ class gradients_params {
     requires serializable_backend<B>
   {
     validate(record);
-    for (const tensor_record& t : record.tensors) check_against(params, t);
-    gradients_params restored;
-    restored.entries_.reserve(record.tensors.size());
-    restored.index_.reserve(record.tensors.size(), restored.key_of());
+    builder restored(params);
+    restored.reserve(record.tensors.size());
     for (const tensor_record& t : record.tensors) {
-      const auto& param = params[*params.find(t.id)];
-      restored.push_back(entry{t.id, tensor_from_record(t, param.shape, param.device)});
+      restored.add(std::string(t.id), t.dtype, detail::record_shape(t), record_values_source{t.values});
     }
-    return restored;
+    return std::move(restored).finish();
   }
 
   /// @brief The dtype of a stored gradient.
@@ -329,25 +420,26 @@ class gradients_params {
     return result;
   }
 
-  static void check_against(const parameter_set<B>& params, const tensor_record& t) {
-    const auto position = params.find(t.id);
+  /// Position of a record tensor's parameter, checking shape and dtype.
+  static std::size_t check_against(const parameter_set<B>& params, const std::string& id, float_dtype dtype,
+                                   const tensor_shape& shape) {
+    const auto position = params.find(id);
     if (!position) {
-      detail::fail(errc::unknown_parameters, "record tensor '" + t.id + "' names no parameter of the parameter set.",
-                   t.id);
+      detail::fail(errc::unknown_parameters, "record tensor '" + id + "' names no parameter of the parameter set.", id);
     }
-    const tensor_shape shape = detail::record_shape(t);
     if (shape != params[*position].shape) {
       detail::fail(errc::parameter_mismatch,
-                   "record tensor '" + t.id + "' has shape " + shape.to_string() + " but its parameter has shape " +
+                   "record tensor '" + id + "' has shape " + shape.to_string() + " but its parameter has shape " +
                        params[*position].shape.to_string() + ".",
-                   t.id);
+                   id);
     }
-    if (!supports(t.dtype)) {
+    if (!supports(dtype)) {
       detail::fail(errc::invalid_dtype,
-                   "record tensor '" + t.id + "' has dtype " + std::string(to_string(t.dtype)) +
+                   "record tensor '" + id + "' has dtype " + std::string(to_string(dtype)) +
                        ", which this backend has no element type for.",
-                   t.id);
+                   id);
     }
+    return *position;
   }
 
   static bool supports(float_dtype dtype) noexcept {
@@ -383,24 +475,55 @@ class gradients_params {
     return record;
   }
 
-  static value_type tensor_from_record(const tensor_record& t, const tensor_shape& shape,
-                                       const typename B::device_type& device) {
+  /// The values of a record tensor, for `builder::add`.
+  struct record_values_source {
+    const record_values& values;
+
+    template <class S>
+    void into(std::span<S> out) const {
+      std::copy_n(std::get<std::vector<S>>(values).data(), out.size(), out.data());
+    }
+    template <class S>
+    void into(std::vector<S>& out) const {
+      out = std::get<std::vector<S>>(values);
+    }
+  };
+
+  /// A tensor of `shape` holding `values` (see `builder::add`).
+  template <class Values>
+  static value_type tensor_from(float_dtype dtype, const tensor_shape& shape, const typename B::device_type& device,
+                                const Values& values) {
     std::optional<value_type> result;
     detail::for_each_type<typename B::element_types>([&]<class T>() {
-      if (dtype_of<T> != t.dtype || result) return;
+      if (dtype_of<T> != dtype || result) return;
       if constexpr (sizeof(T) == 2) {
-        const auto& bits = std::get<std::vector<std::uint16_t>>(t.values);
+        std::vector<std::uint16_t> bits;
+        values.into(bits);
         std::vector<T> elements(bits.size());
         std::transform(bits.begin(), bits.end(), elements.begin(), [](std::uint16_t b) { return std::bit_cast<T>(b); });
         result.emplace(std::in_place_type<tensor<T>>,
                        B::template from_row_major<T>(std::span<const T>(elements), shape, device));
       } else {
-        const auto& values = std::get<std::vector<T>>(t.values);
+        if (auto in_place = detail::filled_in_place<B, T>(shape, device, values)) {
+          result.emplace(std::in_place_type<tensor<T>>, std::move(*in_place));
+          return;
+        }
+        std::vector<T> row_major;
+        values.into(row_major);
         result.emplace(std::in_place_type<tensor<T>>,
-                       B::template from_row_major<T>(std::span<const T>(values), shape, device));
+                       B::template from_row_major<T>(std::span<const T>(row_major), shape, device));
       }
     });
     return std::move(*result);
+  }
+
+  /// Entries sorted by id: the order of records.
+  std::vector<const entry*> sorted_entries() const {
+    std::vector<const entry*> sorted;
+    sorted.reserve(entries_.size());
+    for (const entry& e : entries_) sorted.push_back(&e);
+    std::sort(sorted.begin(), sorted.end(), [](const entry* a, const entry* b) { return a->id < b->id; });
+    return sorted;
   }
 
   std::vector<entry> entries_;

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -78,6 +80,34 @@ inline std::size_t values_size(const record_values& values) noexcept {
 inline tensor_shape record_shape(const tensor_record& tensor) {
   return tensor_shape(std::span<const std::uint64_t>(tensor.shape));
 }
+
+/// Row-major values borrowed from wherever they live, in the alternatives of `record_values`.
+using values_view = std::variant<std::span<const std::uint16_t>, std::span<const float>, std::span<const double>>;
+
+/// @brief A `tensor_record` whose fields are borrowed: saving one writes what saving the record
+/// would, so accumulators save their tensors without a snapshot. Built only from valid data.
+struct tensor_view {
+  std::string_view id;
+  float_dtype dtype = float_dtype::f32;
+  std::span<const std::uint64_t> shape;
+  values_view values;
+};
+
+inline tensor_view view_of(const tensor_record& tensor) noexcept {
+  return {tensor.id, tensor.dtype, tensor.shape,
+          std::visit([](const auto& values) { return values_view(std::span(values)); }, tensor.values)};
+}
+
+/// @brief A `gradients_params_record` of borrowed tensors, in record order.
+struct gradients_view {
+  std::span<const tensor_view> tensors;
+};
+
+/// @brief A `weighted_gradients_record` whose tensors are borrowed.
+struct weighted_gradients_view {
+  weighted_accumulation_state state;
+  gradients_view gradients;
+};
 
 }  // namespace detail
 

@@ -110,6 +110,16 @@ class weighted_gradients_accumulator {
     return {accumulator_.try_to_record(), state_};
   }
 
+  /// @brief `f(view)` of `try_to_record()` without its copy (see `gradients_params::visit_record`).
+  template <class F>
+  decltype(auto) visit_record(F&& f) const
+    requires serializable_backend<B>
+  {
+    return accumulator_.visit_record([&](const detail::gradients_view& gradients) {
+      return f(detail::weighted_gradients_view{state_, gradients});
+    });
+  }
+
   /// @brief Snapshot as of this call, assembled on another thread: the calling thread pays one
   /// copy of the pending tensors and may use the accumulator again as soon as this returns.
   [[nodiscard]] std::future<weighted_gradients_record> to_record_async() const
@@ -135,6 +145,35 @@ class weighted_gradients_accumulator {
     accumulator_.adopt(std::move(restored));
     state_ = record.state;
   }
+
+  /// @brief Restores the window state and pending values piece by piece as a loader reads them
+  /// (the state first), with the checks of `load_record`; the accumulator changes only on
+  /// `commit()`. See `gradients_accumulator::restorer`.
+  class restorer {
+   public:
+    restorer(weighted_gradients_accumulator& target, const parameter_set<B>& params) noexcept
+        : target_(&target), built_(params) {}
+
+    void state(const weighted_accumulation_state& state) {
+      check_restorable(state, 0, [](auto&&) {});
+      state_ = state;
+    }
+    void reserve(std::size_t count) { built_.reserve(count); }
+    template <class Values>
+    void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
+      detail::check_pending_against(state_, 1, [&](auto&& check) { check(id, dtype); });
+      built_.add(std::move(id), dtype, shape, values);
+    }
+    void commit() && noexcept {
+      target_->accumulator_.adopt(std::move(built_).finish());
+      target_->state_ = state_;
+    }
+
+   private:
+    weighted_gradients_accumulator* target_;
+    typename gradients_params<B>::builder built_;
+    weighted_accumulation_state state_;
+  };
 
   /// @brief Reattaches a saved state to already-restored pending sums, with the checks of
   /// `load_record`. `pending` is moved from only on success.

@@ -124,6 +124,22 @@ struct eigen_backend {
                                                                                                cols);
   }
 
+  template <class T>
+  static tensor<T> uninitialized(const tensor_shape& s, const device_type& /*device*/) {
+    const auto [rows, cols] = rows_cols(s);
+    return tensor<T>(rows, cols);
+  }
+
+  /// Column-major storage is row-major order too when there is one row or one column.
+  template <class T>
+  static T* row_major_data(tensor<T>& t) noexcept {
+    return t.rows() <= 1 || t.cols() <= 1 ? t.data() : nullptr;
+  }
+  template <class T>
+  static const T* row_major_data(const tensor<T>& t) noexcept {
+    return t.rows() <= 1 || t.cols() <= 1 ? t.data() : nullptr;
+  }
+
  private:
   struct extent {
     Eigen::Index rows;

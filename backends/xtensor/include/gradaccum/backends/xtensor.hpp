@@ -180,6 +180,20 @@ struct xtensor_backend {
     return out;
   }
 
+  template <class T>
+  static tensor<T> uninitialized(const tensor_shape& s, const device_type& /*device*/) {
+    return tensor<T>(to_shape_type(s));
+  }
+
+  template <class T>
+  static T* row_major_data(tensor<T>& t) noexcept {
+    return t.data();
+  }
+  template <class T>
+  static const T* row_major_data(const tensor<T>& t) noexcept {
+    return t.data();
+  }
+
  private:
   static shape_type to_shape_type(const tensor_shape& s) { return {s.begin(), s.end()}; }
 };
