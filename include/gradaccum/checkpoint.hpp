@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -191,8 +192,10 @@ namespace json_parser = RAPIDJSON_NAMESPACE;
 /// While a non-recursive parser checks the syntax (numbers as text), counts nesting and looks
 /// for numbers RapidJSON 1.1 cannot read: its full-precision conversion, which cereal's parse
 /// uses, calls clz(0) and reads garbage for a zero mantissa with an exponent ("0e-300") and for
-/// mantissas of more than 20 digits that round up past 2^64 - 1. Nothing cereal writes has
-/// either (doubles take 17 digits, 64-bit integers 20).
+/// mantissas of more than 20 digits that round up past 2^64 - 1, and indexes its table of powers
+/// of ten out of bounds when the last digit's decimal exponent is below -348
+/// ("1844044.1841844674401e-337"). Nothing cereal writes has any of these (doubles take 17
+/// digits and their last digit's exponent is at least -324 - 16, 64-bit integers 20 digits).
 struct json_document_check : json_parser::BaseReaderHandler<json_parser::UTF8<>, json_document_check> {
   std::size_t depth = 0;
   bool too_deep = false;
@@ -213,9 +216,26 @@ struct json_document_check : json_parser::BaseReaderHandler<json_parser::UTF8<>,
     const auto digits = std::count_if(mantissa.begin(), mantissa.end(), [](char c) { return c >= '0' && c <= '9'; });
     const bool zero_with_exponent =
         exponent != std::string_view::npos && mantissa.find_first_not_of("-0.") == std::string_view::npos;
-    if (digits <= 20 && !zero_with_exponent) return true;
+    if (digits <= 20 && !zero_with_exponent && last_digit_exponent_in_range(number, exponent)) return true;
     misread_number = number;
     return false;
+  }
+
+  /// Whether the decimal exponent of the number's last digit lies in [-340, 308].
+  static bool last_digit_exponent_in_range(std::string_view number, std::size_t exponent) noexcept {
+    long long value = 0;  // the written exponent; an unreadable one is out of range
+    if (exponent != std::string_view::npos) {
+      std::string_view text = number.substr(exponent + 1);
+      if (!text.empty() && text.front() == '+') text.remove_prefix(1);
+      const auto [end, status] = std::from_chars(text.data(), text.data() + text.size(), value);
+      if (status != std::errc{} || end != text.data() + text.size()) return false;
+    }
+    const std::size_t point = number.find('.');
+    const std::size_t fraction_end = exponent == std::string_view::npos ? number.size() : exponent;
+    const auto fraction_digits =
+        static_cast<long long>(point == std::string_view::npos || point > fraction_end ? 0 : fraction_end - point - 1);
+    const long long last_digit = value - fraction_digits;
+    return last_digit >= -340 && last_digit <= 308;
   }
 };
 
@@ -299,7 +319,7 @@ inline void check_text_document(std::string_view bytes, checkpoint_format format
   if (!handler.misread_number.empty()) {
     fail(errc::invalid_record, "checkpoint JSON holds the number " + quote(handler.misread_number) +
                                    ", which its JSON parser (RapidJSON 1.1) misreads: checkpoint numbers have at "
-                                   "most 20 digits, and zero is written 0.0.");
+                                   "most 20 digits and an exponent within a double's range, and zero is written 0.0.");
   }
   if (result.IsError()) {
     fail(errc::invalid_record,
