@@ -538,6 +538,8 @@ TEST_CASE("documents cereal's parsers mishandle are refused before they see them
   // Its table of powers of ten is read out of bounds below a last-digit exponent of -348.
   check_refused(replaced(json, "7.0", "1844044.1841844674401e-337"), checkpoint_format::json, errc::invalid_record, "",
                 {"'1844044.1841844674401e-337'", "misreads"});
+  check_refused(replaced(json, "7.0", "184.184e-9223372036854775807"), checkpoint_format::json, errc::invalid_record,
+                "", {"misreads"});
   const std::string scaled_twenty_digits = replaced(json, "7.0", "70000000000000000000e-19");
   GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(scaled_twenty_digits, checkpoint_format::json),
                             valid_window);

@@ -234,6 +234,8 @@ struct json_document_check : json_parser::BaseReaderHandler<json_parser::UTF8<>,
     const std::size_t fraction_end = exponent == std::string_view::npos ? number.size() : exponent;
     const auto fraction_digits =
         static_cast<long long>(point == std::string_view::npos || point > fraction_end ? 0 : fraction_end - point - 1);
+    // Both terms are bounded first, so the difference cannot overflow.
+    if (value < -400 || value > 400) return false;
     const long long last_digit = value - fraction_digits;
     return last_digit >= -340 && last_digit <= 308;
   }
