@@ -7,8 +7,10 @@
 /// order and the comparison with the single-process run can be bitwise. Tests only CHECK (never
 /// REQUIRE), so no rank leaves a test case early and skips a collective its peers are in.
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -58,8 +60,8 @@ struct parameter_spec {
   gradaccum::tensor_shape shape;
 };
 
-/// Every shape has rank 2, as Eigen matrices do. "big" holds 20480 elements, above the in-place threshold in F32 and
-/// F64; "solo" receives a gradient on one rank only; "unused" on none.
+/// Every shape has rank 2, as Eigen matrices do. "big" holds 20480 elements, more than one message piece in F32 and
+/// F64 when pieces are small (test_mpi_small_pieces); "solo" receives a gradient on one rank only; "unused" on none.
 const std::vector<parameter_spec>& model() {
   static const std::vector<parameter_spec> specs{
       {"embed", {4, 3}},   {"fc.weight", {3, 5}}, {"fc.bias", {5, 1}},
@@ -263,6 +265,56 @@ TEST_CASE_TEMPLATE("start_allreduce_mean overlaps other work and gives the same 
     auto dropped = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
   }
   check_ranks_still_agree(params);
+}
+
+TEST_CASE_TEMPLATE("reductions in flight together and the caller's own messages keep apart", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  // A receive for any message on the caller's communicator, posted before the reductions: it
+  // must get only the message sent for it afterwards, none of the reductions' own.
+  int received = 0;
+  MPI_Request caller = MPI_REQUEST_NULL;
+  MPI_Irecv(&received, 1, MPI_INT, MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &caller);
+  auto first = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+  auto second = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD);
+  const auto second_mean = second.wait();  // taken in the other order than started
+  const auto first_mean = first.wait();
+  GRADACCUM_CHECK_SAME_BITS(record_of(first_mean), record_of(single_process_mean(params, float_dtype::f32)));
+  GRADACCUM_CHECK_SAME_BITS(record_of(second_mean), record_of(single_process_mean(params, float_dtype::f64)));
+  const int sent = 1000 + world_rank;
+  MPI_Send(&sent, 1, MPI_INT, (world_rank + 1) % world_size, 7, MPI_COMM_WORLD);
+  MPI_Wait(&caller, MPI_STATUS_IGNORE);
+  CHECK(received == 1000 + (world_rank + world_size - 1) % world_size);
+}
+
+TEST_CASE_TEMPLATE("every rank gets the same bits when the sums round", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  // Values with full mantissas, different on every rank, so the order of the sums matters.
+  gradaccum::gradients_params<B> grads;
+  for (const auto& spec : model()) {
+    std::vector<float> values(*spec.shape.checked_element_count());
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      values[i] = 1.0F / static_cast<float>(3 + i % 11 + static_cast<std::size_t>(world_rank) * 5) + 0.1F;
+    }
+    grads.insert(spec.id, B::template from_row_major<float>(std::span<const float>(values), spec.shape, {}));
+  }
+  gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, 3.0);
+  window.accumulate_sum(params, grads, 7.0);
+  const auto mean = gradaccum::allreduce_mean(params, window.finish_sums(), MPI_COMM_WORLD);
+  // FNV-1a over every value's bits, then the smallest and largest over the ranks.
+  std::uint64_t hash = 14695981039346656037ULL;
+  for (const auto& t : mean.gradients.to_record().tensors) {
+    for (const float v : std::get<std::vector<float>>(t.values)) {
+      hash = (hash ^ std::bit_cast<std::uint32_t>(v)) * 1099511628211ULL;
+    }
+  }
+  std::uint64_t lowest = hash;
+  std::uint64_t highest = hash;
+  MPI_Allreduce(MPI_IN_PLACE, &lowest, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &highest, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  CHECK(lowest == highest);
+  CHECK(mean.gradients.size() == model().size());
 }
 
 TEST_CASE_TEMPLATE("mismatched loss scales are an error on every rank, and nothing is taken", B, BACKENDS) {
