@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <future>
 #include <limits>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -870,6 +871,62 @@ TEST_CASE_TEMPLATE("a gradients_params reused across microbatches is checked in 
     GRADACCUM_CHECK_SAME_BITS(window.try_to_record(), kept);
     window.accumulate_sum(params, viewed, 1);
     CHECK(values_of<float>(window.pending(), "a") == as<float>(multiples(shape_a, 3)));
+  }
+}
+
+TEST_CASE_TEMPLATE("calls repeated with unchanged views add into the right tensors after every change", B,
+                   GRADACCUM_TEST_BACKENDS) {
+  if constexpr (detail::has_views<B>) {
+    // From the second call with the same views on, an accumulator may run its adds resolved
+    // once (views that keep their geometry): re-seated views, a copy of the gradients, new
+    // pending tensors and a work dtype change must each be followed.
+    const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
+    const auto ones_a = make_tensor<B, float>(shape_a, multiples(shape_a, 1));
+    const auto tens_a = make_tensor<B, float>(shape_a, multiples(shape_a, 10));
+    const auto ones_b = make_tensor<B, double>(shape_b, multiples(shape_b, 1));
+    gradients_params<B> viewed;
+    viewed.insert("a", backend_fixture<B>::view_of(ones_a));
+    viewed.insert("b", backend_fixture<B>::view_of(ones_b));
+    gradients_accumulator<B> acc;
+    const auto call = [&](const gradients_params<B>& grads, int times) {
+      for (int k = 0; k < times; ++k) acc.accumulate_with_dtype(params, grads, float_dtype::f32);
+    };
+    call(viewed, 4);
+    CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 4)));
+    CHECK(values_of<float>(acc.pending(), "b") == as<float>(multiples(shape_b, 4)));
+
+    viewed.insert("a", backend_fixture<B>::view_of(tens_a));  // re-seated
+    call(viewed, 3);
+    CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 34)));
+    {
+      auto copy = std::make_unique<gradients_params<B>>(viewed);  // same versions, other entries
+      viewed.insert("a", backend_fixture<B>::view_of(ones_a));
+      call(*copy, 2);
+      copy.reset();
+      call(viewed, 2);
+    }
+    CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 56)));
+    CHECK(values_of<float>(acc.pending(), "b") == as<float>(multiples(shape_b, 11)));
+
+    {  // a copy of the accumulator adds into its own tensors, not the original's
+      gradients_accumulator<B> copied = acc;
+      copied.accumulate_with_dtype(params, viewed, float_dtype::f32);
+      CHECK(values_of<float>(copied.pending(), "a") == as<float>(multiples(shape_a, 57)));
+      CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 56)));
+      gradients_accumulator<B> moved = std::move(copied);
+      moved.accumulate_with_dtype(params, viewed, float_dtype::f32);
+      CHECK(values_of<float>(moved.pending(), "a") == as<float>(multiples(shape_a, 58)));
+    }
+    const gradients_params<B> taken = acc.grads();  // new pending tensors from here on
+    call(viewed, 3);
+    CHECK(values_of<float>(taken, "a") == as<float>(multiples(shape_a, 56)));
+    CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 3)));
+
+    for (int k = 0; k < 3; ++k) acc.accumulate_with_dtype(params, viewed, float_dtype::f64);  // converted
+    CHECK(values_of<double>(acc.pending(), "a") == as<double>(multiples(shape_a, 6)));
+    CHECK(values_of<double>(acc.pending(), "b") == as<double>(multiples(shape_b, 6)));
+    acc.accumulate_scaled(params, viewed, 0.5, float_dtype::f64);
+    CHECK(values_of<double>(acc.pending(), "a") == as<double>(multiples(shape_a, 6.5)));
   }
 }
 
