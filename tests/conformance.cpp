@@ -877,9 +877,9 @@ TEST_CASE_TEMPLATE("a gradients_params reused across microbatches is checked in 
 TEST_CASE_TEMPLATE("calls repeated with unchanged views add into the right tensors after every change", B,
                    GRADACCUM_TEST_BACKENDS) {
   if constexpr (detail::has_views<B>) {
-    // From the second call with the same views on, an accumulator may run its adds resolved
-    // once (views that keep their geometry): re-seated views, a copy of the gradients, new
-    // pending tensors and a work dtype change must each be followed.
+    // An accumulator skips checking views (of a backend whose views keep their geometry) that
+    // did not change since the last call: re-seated views, a copy of the gradients, a copy of
+    // the accumulator, new pending tensors and a work dtype change must each be followed.
     const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
     const auto ones_a = make_tensor<B, float>(shape_a, multiples(shape_a, 1));
     const auto tens_a = make_tensor<B, float>(shape_a, multiples(shape_a, 10));

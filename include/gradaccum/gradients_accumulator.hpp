@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 #include <string>
 #include <utility>
 #include <variant>
@@ -73,7 +72,6 @@ class gradients_accumulator {
     slots_.clear();
     slots_for_ = 0;
     pending_dtype_.reset();
-    drop_plan();
     return taken;
   }
 
@@ -161,7 +159,6 @@ class gradients_accumulator {
     slots_.clear();
     slots_for_ = 0;
     pending_dtype_ = common_dtype(pending_);
-    drop_plan();
   }
 
  private:
@@ -205,7 +202,6 @@ class gradients_accumulator {
         all_views = all_views && gradients_params<B>::is_view(e.value);
       }
     }
-    const bool unchanged_views = views_checked_for_ == grads.values_version() && views_checked_for_ != 0;
     if (detail::views_keep_geometry<B>() && all_views) views_checked_for_ = grads.values_version();
     const bool rebind = slots_for_ != params.identity() || slots_.size() != params.size();
     const bool all_pending =
@@ -215,13 +211,7 @@ class gradients_accumulator {
     const bool convert = work && !pending_.empty() && pending_dtype_ != work;
     if (!all_pending || convert) prepare(params, grads, work, rebind);
 
-    // 3. Add: nothing below can throw. The second call in a row with the same views resolves
-    // the adds into the plan, and the calls after it run the plan.
-    if (unchanged_views && all_pending && !convert) {
-      if (plan_.values != grads.values_version() || plan_.entries != grads.entries_.data()) build_plan(grads);
-      for (const planned_add& a : plan_.adds) a.add(a.pending, a.incoming, multiplier);
-      return;
-    }
+    // 3. Add: nothing below can throw.
     k = 0;
     for (const auto& e : grads) {
       auto& target = pending_.entries_[slots_[positions_[k++]] - 1].value;
@@ -286,7 +276,6 @@ class gradients_accumulator {
       }
     }
     pending_.reserve(pending_.size() + fresh.size());
-    plan_.adds.reserve(pending_.size() + fresh.size());  // a plan has one add per pending tensor at most
 
     // Commit.
     if (rebind) {
@@ -299,83 +288,6 @@ class gradients_accumulator {
       slots_[position] = static_cast<std::uint32_t>(pending_.size());
     }
     pending_dtype_ = common_dtype(pending_);
-    drop_plan();
-  }
-
-  /// Forgets the plan, keeping its capacity; the next call with unchanged views builds it again.
-  void drop_plan() noexcept {
-    plan_.adds.clear();
-    plan_.values = 0;
-    plan_.entries = nullptr;
-  }
-
-  /// One add of the plan: `B::add_scaled(pending, incoming, W(multiplier))` for the types that
-  /// `add` was instantiated for.
-  struct planned_add {
-    void (*add)(void* pending, const void* incoming, double multiplier) noexcept;
-    void* pending;
-    const void* incoming;
-  };
-
-  /// The steady state's adds (see `add`), valid while the pending tensors stay (dropped whenever
-  /// they change) and for the gradients whose values version and entries `values` and `entries`
-  /// name: a copy of them keeps the version, but not the entries' address. A copied accumulator
-  /// starts without a plan, since this one points into the original's tensors.
-  struct add_plan {
-    std::vector<planned_add> adds;
-    std::uint64_t values = 0;
-    const void* entries = nullptr;
-
-    add_plan() = default;
-    add_plan(const add_plan& /*other*/) noexcept {}
-    add_plan(add_plan&& other) noexcept
-        : adds(std::move(other.adds)),
-          values(std::exchange(other.values, 0)),
-          entries(std::exchange(other.entries, nullptr)) {}
-    add_plan& operator=(const add_plan& other) noexcept {
-      if (this != &other) *this = add_plan();
-      return *this;
-    }
-    add_plan& operator=(add_plan&& other) noexcept {
-      adds = std::move(other.adds);
-      values = std::exchange(other.values, 0);
-      entries = std::exchange(other.entries, nullptr);
-      return *this;
-    }
-    ~add_plan() = default;
-  };
-
-  template <class W, class X>
-  static void add_planned(void* pending, const void* incoming, double multiplier) noexcept {
-    B::add_scaled(*static_cast<tensor<W>*>(pending), *static_cast<const X*>(incoming), static_cast<W>(multiplier));
-  }
-
-  /// Resolves the adds of `grads` (every id pending, positions resolved) into `plan_`. Within
-  /// the capacity `prepare` reserved, so nothing is allocated; should the reserve below ever
-  /// allocate and fail, nothing but the plan has changed.
-  void build_plan(const gradients_params<B>& grads) {
-    drop_plan();
-    plan_.adds.reserve(grads.size());
-    std::size_t k = 0;
-    for (const auto& e : grads) {
-      auto& target = pending_.entries_[slots_[positions_[k++]] - 1].value;
-      std::visit(
-          [&](auto& acc) {
-            using W = detail::element_of<B, decltype(acc)>;
-            if constexpr (std::is_same_v<W, float> || std::is_same_v<W, double>) {
-              if constexpr (std::is_same_v<std::remove_cvref_t<decltype(acc)>, tensor<W>>) {
-                detail::visit_gradient(
-                    [&](const auto& g) {
-                      plan_.adds.push_back({&add_planned<W, std::remove_cvref_t<decltype(g)>>, &acc, &g});
-                    },
-                    e.value);
-              }
-            }
-          },
-          target);
-    }
-    plan_.values = grads.values_version();
-    plan_.entries = grads.entries_.data();
   }
 
   static void require_pending_dtype(const std::string& id, float_dtype dtype) {
@@ -413,7 +325,6 @@ class gradients_accumulator {
   resolution_key resolved_for_;               // what `positions_` holds positions for
   std::uint64_t views_checked_for_ = 0;       // values version of all-view gradients checked under it
   std::optional<float_dtype> pending_dtype_;  // dtype shared by every pending tensor, if any
-  add_plan plan_;
 };
 
 }  // namespace gradaccum
