@@ -329,10 +329,11 @@ void add_then_divide(W* __restrict acc, const W* __restrict x, std::size_t count
   for (std::size_t i = 0; i < count; ++i) acc[i] = (acc[i] + x[i]) / first / second;
 }
 
-/// The buffer small tensors are packed into. A fresh one costs a page fault per 4 KiB on first
-/// touch, which on 2 local ranks took far longer than the reduction itself (2.4 MiB: about 6 ms
-/// against 0.5 ms), so each thread keeps the largest buffer it released for its next reduction:
-/// the memory held between calls is one packed region per thread and work dtype.
+/// A buffer values are staged in (the ring's two pieces; every value, for a backend without
+/// host memory). A fresh one costs a page fault per 4 KiB on first touch, which on 2 local ranks
+/// took far longer than the reduction itself (2.4 MiB: about 6 ms against 0.5 ms), so each
+/// thread keeps the largest buffer it released for its next reduction: the memory held between
+/// calls is one such buffer per thread and work dtype.
 template <class W>
 class packed_buffer {
  public:
