@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -123,5 +124,36 @@ TEST_CASE_TEMPLATE("accumulate_mean rounds twice under -march=native and contrac
     }
     REQUIRE(fused_differs<W>(pending, static_cast<W>(w2), g2) > count / 20);
     CHECK(mismatches<W>(test::values_of<W>(acc.pending(), "w"), expected) == 0);
+  });
+}
+
+TEST_CASE("F16 gradients widened by the hardware (F16C) sum to the portable conversion's bits, every value") {
+#ifndef __F16C__
+  MESSAGE("built without F16C (none on this machine): the portable conversion is the only one");
+#endif
+  // Every F16 bit pattern (signalling and quiet NaNs, infinities, subnormals), against pending
+  // values that are finite, infinite and NaN, with a scale whose products round (so a fused
+  // multiply-add would show too). Where both the pending value and the gradient are NaN, which
+  // payload survives depends on the order the compiler gives the addition's operands (it may
+  // swap them: IEEE 754 does not fix the choice), so there the sum need only be a NaN.
+  std::vector<gradaccum::test::f16> bits(65536 + 5);  // not a multiple of 8: the scalar tail runs too
+  for (std::size_t i = 0; i < bits.size(); ++i) bits[i].bits = static_cast<std::uint16_t>(i * 40503U);
+  gradaccum::test::for_each_work_type([&]<class W>() {
+    CAPTURE(gradaccum::dtype_of<W>);
+    const W pending_values[] = {W(1.5), -W(0), std::numeric_limits<W>::infinity(), std::numeric_limits<W>::quiet_NaN()};
+    std::vector<W> acc(bits.size());
+    std::vector<W> expected(bits.size());
+    for (std::size_t i = 0; i < bits.size(); ++i) {
+      acc[i] = pending_values[i % 4];
+      expected[i] = two_roundings(acc[i], W(0.1), static_cast<W>(gradaccum::kernels::f16_bits_to_float(bits[i].bits)));
+    }
+    const std::vector<W> before = acc;
+    gradaccum::kernels::add_scaled(acc.data(), bits.data(), bits.size(), W(0.1));
+    std::size_t differing = 0;
+    for (std::size_t i = 0; i < bits.size(); ++i) {
+      const bool both_nan = std::isnan(before[i]) && std::isnan(gradaccum::kernels::f16_bits_to_float(bits[i].bits));
+      differing += (both_nan ? std::isnan(acc[i]) : same_bits(acc[i], expected[i])) ? 0 : 1;
+    }
+    CHECK(differing == 0);
   });
 }

@@ -29,9 +29,10 @@ COMPONENT_OF_PREFIX = {
 }
 # Components that are tensor backends, each with its own folder under backends/.
 BACKENDS = {"eigen", "xtensor"}
-# Always available: POSIX headers (atomic checkpoint files) and omp.h, which is included only
-# under `#if defined(_OPENMP)` and so needs nothing when OpenMP is off.
-SYSTEM = {"fcntl.h", "unistd.h", "sys/stat.h", "sys/types.h", "omp.h"}
+# Always available: POSIX headers (atomic checkpoint files), omp.h, which is included only
+# under `#if defined(_OPENMP)` and so needs nothing when OpenMP is off, and immintrin.h, the
+# compiler's own, included only under `#ifdef __F16C__`.
+SYSTEM = {"fcntl.h", "unistd.h", "sys/stat.h", "sys/types.h", "omp.h", "immintrin.h"}
 
 
 def include_roots(root):
