@@ -483,27 +483,25 @@ class ring_reduction {
     return {send % ranks_, (send + ranks_ - 1) % ranks_};
   }
 
+  /// The segment holding logical position `at` (segments are sorted, none empty).
+  [[nodiscard]] auto segment_at(std::size_t at) const {
+    return std::prev(std::upper_bound(segments_.begin(), segments_.end(), at,
+                                      [](std::size_t offset, const segment<W>& x) { return offset < x.offset; }));
+  }
   /// Calls `f(data, offset in the range, count)` for each segment's part of [begin, end).
   template <class F>
   void for_each_part(std::size_t begin, std::size_t end, F&& f) const {
-    auto s = std::upper_bound(segments_.begin(), segments_.end(), begin,
-                              [](std::size_t offset, const segment<W>& x) { return offset < x.offset; });
-    for (std::size_t at = begin; at < end; ++s) {
-      const segment<W>& part = *std::prev(s);
-      const std::size_t count = std::min(end, part.offset + part.count) - at;
-      f(part.data + (at - part.offset), at - begin, count);
+    auto part = segment_at(begin);
+    for (std::size_t at = begin; at < end; ++part) {
+      const std::size_t count = std::min(end, part->offset + part->count) - at;
+      f(part->data + (at - part->offset), at - begin, count);
       at += count;
     }
   }
   /// The memory of [begin, end) if it lies in one segment, else null.
   [[nodiscard]] W* contiguous(std::size_t begin, std::size_t end) const {
-    W* found = nullptr;
-    std::size_t parts = 0;
-    for_each_part(begin, end, [&](W* data, std::size_t, std::size_t) {
-      found = data;
-      ++parts;
-    });
-    return parts == 1 ? found : nullptr;
+    const auto part = segment_at(begin);
+    return end <= part->offset + part->count ? part->data + (begin - part->offset) : nullptr;
   }
 
   /// Posts the next piece's receive and send, moving on to the next step when this one is
