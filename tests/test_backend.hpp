@@ -71,21 +71,14 @@ struct vector_backend {
   static device_type device(const X& x) noexcept {
     return x.device;
   }
-  template <class W>
-  static tensor<W> zeros(const tensor_shape& shape, const device_type& device) {
-    return {std::vector<W>(*shape.checked_element_count()), shape, device};
-  }
   template <class W, class X>
-  static void add_scaled(tensor<W>& acc, const X& g, W scale) noexcept {
-    kernels::add_scaled(acc.values.data(), g.values.data(), acc.values.size(), scale);
+  static void add_scaled(std::span<W> acc, const X& g, W scale) noexcept {
+    kernels::add_scaled(acc.data(), g.values.data(), acc.size(), scale);
   }
+  /// A result: a view of the window's buffer.
   template <class W>
-  static void divide(tensor<W>& acc, W first, W second) noexcept {
-    kernels::divide(acc.values.data(), acc.values.size(), first, second);
-  }
-  template <class W>
-  static bool all_finite(const tensor<W>& t) noexcept {
-    return kernels::all_finite(t.values.data(), t.values.size());
+  static view<W> map(std::span<const W> values, const tensor_shape& shape, const device_type& device) noexcept {
+    return {values, shape, device};
   }
   /// An owned copy in element type W; a plain copy when W is the input's own type.
   template <class W, class X>

@@ -1,10 +1,14 @@
 #pragma once
 /// @file
-/// @brief The backend contract: `tensor_backend`, `serializable_backend` and `host_memory_backend`.
+/// @brief The backend contract: `tensor_backend` and `serializable_backend`.
 ///
-/// A backend is a traits type; the library never names a tensor library. It must provide
-/// (T ranges over `element_types`, which must contain `float` and `double`; W is float or double;
-/// X is `tensor<T>` or, if the backend has views, `view<T>`):
+/// A backend is a traits type; the library never names a tensor library. Pending sums and
+/// results live in one contiguous host buffer of the work dtype that the library owns (see
+/// `<gradaccum/flat_gradients.hpp>`); each parameter's segment holds its elements in row-major
+/// order. A backend says how to read its tensors into such a segment and how to show a segment
+/// as one of its own views. It must provide (T ranges over `element_types`, which must contain
+/// `float` and `double`; W is float or double; X is `tensor<T>` or, if the backend has views,
+/// `view<T>`):
 ///
 /// @code
 /// struct my_backend {
@@ -12,30 +16,23 @@
 ///   using element_types = gradaccum::type_list<float, double /*, 16-bit types */>;
 ///   template <class T> using tensor = ...;                 // owning, evaluated tensor
 ///   template <class T> using view = ...;                   // optional: read-only view of caller memory
-///   static gradaccum::tensor_shape shape(const X&);
+///   static gradaccum::tensor_shape shape(const X&);        // a shape it cannot represent: errc::parameter_mismatch
 ///   static device_type device(const X&);
-///   template <class W> static tensor<W> zeros(const gradaccum::tensor_shape&, const device_type&);
-///   static void add_scaled(tensor<W>& acc, const X& g, W scale) noexcept;   // acc += scale · W(g)
-///   static void divide(tensor<W>& acc, W first, W second) noexcept;        // acc = acc / first / second
-///   static bool all_finite(const tensor<W>&) noexcept;
-///   template <class W> static tensor<W> convert(const X&);
-///   // optional, checked on every accumulate call: whether shape(x) == s, without building it
-///   static bool has_shape(const X&, const gradaccum::tensor_shape& s) noexcept;
-///   // optional: a view stores its shape and device, so they never change after it is made
-///   // (lets an accumulator skip checking a gradients_params of views that did not change)
-///   static constexpr bool views_keep_geometry = true;
-///   // serializable_backend adds:
+///   // acc (row-major, shape(g)'s element count) += scale · W(g), rounding twice (no FMA)
+///   static void add_scaled(std::span<W> acc, const X& g, W scale) noexcept;
+///   // a read-only view of row-major values, as results hand them out
+///   template <class W> static auto map(std::span<const W> row_major, const gradaccum::tensor_shape&,
+///                                      const device_type&);
+///   template <class W> static tensor<W> convert(const X&);   // an owned copy in element type W
+///   // serializable_backend adds (records of gradients, not of pending sums, which are row-major already):
 ///   static void to_row_major(const tensor<T>&, std::span<T> out);
 ///   template <class T> static tensor<T> from_row_major(std::span<const T>, const gradaccum::tensor_shape&,
 ///                                                      const device_type&);
-///   // host_memory_backend adds:
-///   template <class T> static T* data(tensor<T>&) noexcept;  // the elements, contiguous, in host memory
-///   // optional, for checkpoints without intermediate copies (F32 and F64):
-///   template <class T> static tensor<T> uninitialized(const gradaccum::tensor_shape&, const device_type&);
-///   static T* row_major_data(tensor<T>&) noexcept;             // storage if it is row-major, else null
-///   static const T* row_major_data(const tensor<T>&) noexcept;
 /// };
 /// @endcode
+///
+/// The buffer is host memory, so a backend whose tensors live on an accelerator reads them into
+/// it in `add_scaled` (a device-to-host copy); see docs/architecture.md.
 
 #include <concepts>
 #include <span>
@@ -64,7 +61,7 @@ concept has_backend_types = requires {
 /// What the library does with an incoming gradient of type X (a tensor or a view).
 template <class B, class X>
 concept backend_input =
-    requires(const X& g, typename B::template tensor<float>& acc32, typename B::template tensor<double>& acc64) {
+    requires(const X& g, std::span<float> acc32, std::span<double> acc64) {
       { B::shape(g) } -> std::same_as<tensor_shape>;
       { B::device(g) } -> std::convertible_to<typename B::device_type>;
       { B::add_scaled(acc32, g, 1.0F) } noexcept;
@@ -73,13 +70,11 @@ concept backend_input =
       { B::template convert<double>(g) } -> std::same_as<typename B::template tensor<double>>;
     };
 
-/// What the library does with a pending tensor of work type W.
+/// How the library shows a segment of work type W.
 template <class B, class W>
-concept backend_work = requires(typename B::template tensor<W>& acc, const typename B::template tensor<W>& pending,
-                                const tensor_shape& shape, const typename B::device_type& device, W scalar) {
-  { B::template zeros<W>(shape, device) } -> std::same_as<typename B::template tensor<W>>;
-  { B::divide(acc, scalar, scalar) } noexcept;
-  { B::all_finite(pending) } noexcept -> std::same_as<bool>;
+concept backend_work = requires(std::span<const W> values, const tensor_shape& shape,
+                                const typename B::device_type& device) {
+  B::template map<W>(values, shape, device);
 };
 
 template <class B, class T>
@@ -106,16 +101,6 @@ concept row_major_io = requires(const typename B::template tensor<T>& t, std::sp
   { B::template from_row_major<T>(in, shape, device) } -> std::same_as<typename B::template tensor<T>>;
 };
 
-/// Whether checkpoints can read and write tensor<T>'s storage in place (see the optional
-/// functions above).
-template <class B, class T>
-concept lends_row_major = requires(typename B::template tensor<T>& t, const typename B::template tensor<T>& c,
-                                   const tensor_shape& shape, const typename B::device_type& device) {
-  { B::template uninitialized<T>(shape, device) } -> std::same_as<typename B::template tensor<T>>;
-  { B::row_major_data(t) } noexcept -> std::same_as<T*>;
-  { B::row_major_data(c) } noexcept -> std::same_as<const T*>;
-};
-
 template <class B, class List>
 struct all_row_major_io;
 template <class B, class... Ts>
@@ -135,18 +120,6 @@ concept tensor_backend =
 template <class B>
 concept serializable_backend = tensor_backend<B> && detail::all_row_major_io<B, typename B::element_types>::value;
 
-/// @brief A backend whose owned work-dtype tensors keep their elements in one contiguous run of
-/// host memory, in any fixed order: `B::data(t)` points to the `shape(t)`-many elements of `t`.
-///
-/// Optional. The MPI reduction uses it to reduce large tensors in place and pack small ones with
-/// plain copies, instead of going through `to_row_major` / `from_row_major`.
-template <class B>
-concept host_memory_backend =
-    tensor_backend<B> && requires(typename B::template tensor<float>& f32, typename B::template tensor<double>& f64) {
-      { B::data(f32) } noexcept -> std::same_as<float*>;
-      { B::data(f64) } noexcept -> std::same_as<double*>;
-    };
-
 namespace detail {
 
 /// `B::shape(value)` for the tensor named `id`; a rank above `max_rank` is that tensor's
@@ -159,30 +132,6 @@ tensor_shape shape_of(const X& value, std::string_view id) {
     if (problem.code() != errc::invalid_record) throw;
     fail(errc::parameter_mismatch, "tensor '" + std::string(id) + "' cannot be used: " + problem.what(),
          std::string(id));
-  }
-}
-
-/// Whether B declares that its views store their shape and device (see the list above).
-template <class B>
-constexpr bool views_keep_geometry() noexcept {
-  if constexpr (requires { B::views_keep_geometry; }) {
-    return has_views<B> && B::views_keep_geometry;
-  } else {
-    return false;
-  }
-}
-
-/// Whether the tensor named `id` has dimensions `shape`, through the backend's `has_shape` if it
-/// has one: gradients are checked on every call, and a tensor_shape built each time costs more
-/// than comparing a few dimensions in place.
-template <class B, class X>
-bool has_shape(const X& value, const tensor_shape& shape, std::string_view id) {
-  if constexpr (requires {
-                  { B::has_shape(value, shape) } noexcept -> std::same_as<bool>;
-                }) {
-    return B::has_shape(value, shape);
-  } else {
-    return shape_of<B>(value, id) == shape;
   }
 }
 
@@ -215,29 +164,17 @@ consteval bool check_backend() {
           { B::device(t) } -> std::convertible_to<typename B::device_type>;
         }, "gradaccum backend: missing or mis-declared `static device_type device(const tensor<T>&)`");
     static_assert(
-        requires(const tensor_shape& s, const typename B::device_type& d) {
-          { B::template zeros<float>(s, d) } -> std::same_as<f32>;
-        },
-        "gradaccum backend: missing or mis-declared `template <class W> static tensor<W> zeros(const "
-        "gradaccum::tensor_shape&, const device_type&)`");
-    static_assert(
-        requires(f32& acc, const f32& g) {
+        requires(std::span<float> acc, const f32& g) {
           { B::add_scaled(acc, g, 1.0F) } noexcept;
         },
-        "gradaccum backend: missing, mis-declared or not noexcept `static void add_scaled(tensor<W>& acc, "
-        "const tensor<T>& g, W scale) noexcept` (acc += scale * W(g))");
+        "gradaccum backend: missing, mis-declared or not noexcept `static void add_scaled(std::span<W> acc, "
+        "const tensor<T>& g, W scale) noexcept` (acc, row-major, += scale * W(g))");
     static_assert(
-        requires(f32& acc) {
-          { B::divide(acc, 1.0F, 1.0F) } noexcept;
+        requires(std::span<const float> values, const tensor_shape& s, const typename B::device_type& d) {
+          B::template map<float>(values, s, d);
         },
-        "gradaccum backend: missing, mis-declared or not noexcept `static void divide(tensor<W>& acc, W first, "
-        "W second) noexcept` (acc = acc / first / second)");
-    static_assert(
-        requires(const f32& t) {
-          { B::all_finite(t) } noexcept -> std::same_as<bool>;
-        },
-        "gradaccum backend: missing, mis-declared or not noexcept `static bool all_finite(const tensor<W>&) "
-        "noexcept`");
+        "gradaccum backend: missing or mis-declared `template <class W> static auto map(std::span<const W> "
+        "row_major, const gradaccum::tensor_shape&, const device_type&)` (a read-only view of a result)");
     static_assert(
         requires(const f32& t) {
           { B::template convert<double>(t) } -> std::same_as<typename B::template tensor<double>>;
@@ -248,8 +185,8 @@ consteval bool check_backend() {
                   "gradaccum backend: tensor<float> conforms but not everything else: every T of element_types "
                   "needs a gradaccum::element_dtype<T> specialization and a copyable tensor<T> that shape, device, "
                   "add_scaled (into tensor<float> and tensor<double>) and convert accept, as they must accept "
-                  "view<T> if `view` is declared; zeros, divide and all_finite must work for double too, and "
-                  "device_type must be copyable");
+                  "view<T> if `view` is declared; map must work for double too, and device_type must be "
+                  "copyable");
   }
   return true;
 }

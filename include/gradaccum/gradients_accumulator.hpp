@@ -1,49 +1,55 @@
 #pragma once
 /// @file
-/// @brief `gradients_accumulator<B>`: sums gradients per parameter in a work dtype.
+/// @brief `gradients_accumulator<B>`: sums gradients into one contiguous work-dtype buffer.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
-#include <variant>
 #include <vector>
 
 #include "gradaccum/backend.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
+#include "gradaccum/flat_gradients.hpp"
 #include "gradaccum/gradients_params.hpp"
+#include "gradaccum/kernels.hpp"
 #include "gradaccum/parameter_set.hpp"
 #include "gradaccum/records.hpp"
 
 namespace gradaccum {
 
-/// @brief Plain summing accumulator: `pending[id] += m · W(g[id])` for every present id.
+/// @brief Plain summing accumulator: `pending[id] += m · W(g[id])` for every present id, in one
+/// work dtype W for all of them.
 ///
-/// Pending tensors are created (zero-filled) the first time an id receives a gradient and
-/// reused afterwards, so once every parameter has one, accumulating allocates nothing. Each
-/// call first validates every id, then allocates what is new, then adds; a rejected call or a
-/// failed allocation leaves values exactly as they were (strong guarantee).
+/// The pending sums are a `flat_gradients<B>`: one buffer laid out from the parameter set on
+/// first use (again only if a different or grown set is passed). `grads()` hands the buffer to
+/// the result; the next window reuses it once that result is gone (or a second one, kept from
+/// the window before, once that is gone), so a training loop that drops each result before its
+/// next window finishes allocates nothing per window. Each call first validates every id, then
+/// allocates what it needs, then adds; a rejected call or a failed allocation leaves values
+/// exactly as they were (strong guarantee).
 template <class B>
 class gradients_accumulator {
   static_assert(detail::check_backend<B>());
 
  public:
-  template <class T>
-  using tensor = typename B::template tensor<T>;
-
   gradients_accumulator() = default;
 
-  /// @brief `pending += g`. A new pending tensor is F64 for F64 gradients and F32 otherwise
-  /// (16-bit gradients are never summed in 16 bits); later gradients are converted to it.
+  /// @brief `pending += g` in F64 if any value so far or now is F64, else F32 (16-bit
+  /// gradients are never summed in 16 bits). F32 sums are widened, exactly, when F64 arrives.
   void accumulate(const parameter_set<B>& params, const gradients_params<B>& grads) {
-    add(params, grads, 1.0, std::nullopt);
+    bool f64 = !pending_.empty() && pending_.dtype() == float_dtype::f64;
+    for (const auto& e : grads) f64 = f64 || gradients_params<B>::dtype_of_value(e.value) == float_dtype::f64;
+    add(params, grads, 1.0, f64 ? float_dtype::f64 : float_dtype::f32);
   }
 
-  /// @brief `pending += W(g)` with every pending and incoming value in work dtype `dtype`
-  /// (pending tensors of another dtype are converted first).
+  /// @brief `pending += W(g)` in work dtype `dtype` (pending sums of another dtype are
+  /// converted first).
   /// @throws error(errc::invalid_dtype) unless `dtype` is F32 or F64.
   void accumulate_with_dtype(const parameter_set<B>& params, const gradients_params<B>& grads, float_dtype dtype) {
     detail::require_work_dtype(dtype);
@@ -62,232 +68,262 @@ class gradients_accumulator {
   /// @brief Validates like an accumulation would, touching nothing.
   void validate(const parameter_set<B>& params, const gradients_params<B>& grads) const { grads.validate_for(params); }
 
-  /// @brief The pending sums (owned tensors of a work dtype).
-  [[nodiscard]] const gradients_params<B>& pending() const noexcept { return pending_; }
+  /// @brief The pending sums.
+  [[nodiscard]] const flat_gradients<B>& pending() const noexcept { return pending_; }
 
   /// @brief Takes the pending sums and resets the accumulator.
-  [[nodiscard]] gradients_params<B> grads() noexcept {
-    gradients_params<B> taken = std::move(pending_);
-    pending_.clear();
-    slots_.clear();
-    slots_for_ = 0;
-    pending_dtype_.reset();
-    return taken;
+  [[nodiscard]] flat_gradients<B> grads() noexcept {
+    if (pending_.storage_) {
+      // Remember it: once the caller drops the result, a later window writes into it again.
+      recycled_[1] = std::move(recycled_[0]);
+      recycled_[0] = {pending_.layout_, pending_.storage_};
+    }
+    return std::exchange(pending_, flat_gradients<B>{});
   }
 
-  /// @brief `pending = (pending / first) / second` in each tensor's own work dtype: two
-  /// sequential divisions, never one by the product.
+  /// @brief `pending = (pending / first) / second`: two sequential divisions, never one by the
+  /// product; one pass over the buffer (padding and absent segments are zero and stay zero).
   void divide_pending(double first, double second) noexcept {
-    for (auto& e : pending_.entries_) {
-      if (auto* f32 = std::get_if<tensor<float>>(&e.value)) {
-        B::divide(*f32, static_cast<float>(first), static_cast<float>(second));
-      } else if (auto* f64 = std::get_if<tensor<double>>(&e.value)) {
-        B::divide(*f64, first, second);
-      }
+    detail::flat_storage* storage = pending_.storage_.get();
+    if (!storage || storage->present_count == 0) return;
+    const flat_layout<B>& layout = *pending_.layout_;
+    // From the first present segment to the end of the last: the zeros in between cost less
+    // than splitting the pass.
+    std::size_t first_position = 0;
+    while (storage->present[first_position] == 0) ++first_position;
+    std::size_t last_position = layout.size() - 1;
+    while (storage->present[last_position] == 0) --last_position;
+    const std::size_t begin = layout[first_position].offset;
+    const std::size_t end = layout[last_position].offset + layout[last_position].size;
+    if (storage->dtype == float_dtype::f64) {
+      kernels::divide(storage->data<double>() + begin, end - begin, first, second);
+    } else {
+      kernels::divide(storage->data<float>() + begin, end - begin, static_cast<float>(first),
+                      static_cast<float>(second));
     }
   }
 
   /// @brief Ids whose pending values hold a NaN or an infinity, sorted; changes nothing.
-  [[nodiscard]] std::vector<std::string> non_finite() const {
-    std::vector<std::string> ids;
-    for (const auto& e : pending_) {
-      const bool finite = detail::visit_gradient(
-          [](const auto& value) {
-            if constexpr (requires { B::all_finite(value); }) {
-              return B::all_finite(value);
-            } else {
-              return true;  // pending values are always owned work-dtype tensors
-            }
-          },
-          e.value);
-      if (!finite) ids.push_back(e.id);
-    }
-    std::sort(ids.begin(), ids.end());
-    return ids;
-  }
+  [[nodiscard]] std::vector<std::string> non_finite() const { return pending_.non_finite(); }
 
   /// @brief Row-major record of the pending sums, sorted by id.
-  [[nodiscard]] gradients_params_record try_to_record() const
-    requires serializable_backend<B>
-  {
-    return pending_.to_record();
-  }
+  [[nodiscard]] gradients_params_record try_to_record() const { return pending_.to_record(); }
 
-  /// @brief `f(view)` of `try_to_record()` without its copy (see `gradients_params::visit_record`).
+  /// @brief `f(view)` of `try_to_record()` without its copy (see `flat_gradients::visit_record`).
   template <class F>
-  decltype(auto) visit_record(F&& f) const
-    requires serializable_backend<B>
-  {
+  decltype(auto) visit_record(F&& f) const {
     return pending_.visit_record(std::forward<F>(f));
   }
 
   /// @brief Replaces the pending sums with a record's (validated against `params` first;
-  /// nothing changes on error). Values of 16-bit dtypes are rejected with invalid_dtype.
-  void load_record(const parameter_set<B>& params, const gradients_params_record& record)
-    requires serializable_backend<B>
-  {
-    for (const tensor_record& t : record.tensors) require_pending_dtype(t.id, t.dtype);
-    adopt(gradients_params<B>::from_record(params, record));
+  /// nothing changes on error). Values of 16-bit dtypes are rejected with invalid_dtype, and
+  /// so are tensors of two different work dtypes (a window has one).
+  void load_record(const parameter_set<B>& params, const gradients_params_record& record) {
+    validate(record);
+    restorer restored(*this, params);
+    for (const tensor_record& t : record.tensors) {
+      restored.add(std::string(t.id), t.dtype, detail::record_shape(t), record_values_source{t.values});
+    }
+    std::move(restored).commit();
   }
 
   /// @brief Restores the pending sums tensor by tensor as a loader reads them, with the checks
   /// of `load_record`; the accumulator changes only on `commit()`. A sink of
   /// `<gradaccum/cereal.hpp>`'s loaders, which `load_checkpoint` uses to read values straight
-  /// into the backend's tensors.
+  /// into the buffer.
   class restorer {
    public:
     restorer(gradients_accumulator& target, const parameter_set<B>& params) noexcept
-        : target_(&target), built_(params) {}
+        : target_(&target), params_(&params) {}
 
-    void reserve(std::size_t count) { built_.reserve(count); }
+    /// @brief Requires every tensor to be of work dtype `dtype` (`errc::invalid_state`
+    /// otherwise): a window's state names its dtype before its tensors.
+    void expect_dtype(float_dtype dtype) noexcept { expected_ = dtype; }
+
+    void reserve(std::size_t /*count*/) noexcept {}
+
+    /// @brief Checks the tensor against the parameter set and the tensors added so far and has
+    /// `values.into(std::span<W>)` write its row-major values straight into its segment.
+    /// @throws error(errc::unknown_parameters), error(errc::parameter_mismatch),
+    /// error(errc::invalid_dtype), error(errc::invalid_state) (see `expect_dtype`),
+    /// error(errc::invalid_record) for an id given twice.
     template <class Values>
     void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
+      if (expected_ && dtype != *expected_) {
+        detail::fail(errc::invalid_state,
+                     "pending tensor '" + id + "' has dtype " + std::string(to_string(dtype)) +
+                         " but the accumulation state's work dtype is " + std::string(to_string(*expected_)) + ".",
+                     id);
+      }
       require_pending_dtype(id, dtype);
-      built_.add(std::move(id), dtype, shape, values);
+      const auto position = params_->find(id);
+      if (!position) {
+        detail::fail(errc::unknown_parameters, "record tensor '" + id + "' names no parameter of the parameter set.",
+                     id);
+      }
+      if (shape != (*params_)[*position].shape) {
+        detail::fail(errc::parameter_mismatch,
+                     "record tensor '" + id + "' has shape " + shape.to_string() + " but its parameter has shape " +
+                         (*params_)[*position].shape.to_string() + ".",
+                     id);
+      }
+      if (storage_ && dtype != storage_->dtype) {
+        detail::fail(errc::invalid_dtype,
+                     "record tensor '" + id + "' has dtype " + std::string(to_string(dtype)) + " but tensor of " +
+                         std::string(to_string(storage_->dtype)) + " came before it; a window has one work dtype.",
+                     id);
+      }
+      if (!layout_) layout_ = target_->layout_for(*params_);
+      if (!storage_) storage_ = detail::flat_storage::allocate(dtype, layout_->elements(), layout_->size());
+      if (storage_->present[*position] != 0) {
+        detail::fail(errc::invalid_record, "record lists tensor '" + id + "' twice.", id);
+      }
+      const flat_segment<B>& s = (*layout_)[*position];
+      // On a throw the segment may hold part of the values: it stays absent, so it is zeroed.
+      try {
+        if (dtype == float_dtype::f64) {
+          values.into(std::span<double>(storage_->data<double>() + s.offset, s.size));
+        } else {
+          values.into(std::span<float>(storage_->data<float>() + s.offset, s.size));
+        }
+      } catch (...) {
+        std::memset(storage_->bytes.get() + s.offset * storage_->element_size(), 0, s.size * storage_->element_size());
+        throw;
+      }
+      storage_->mark_present(*position);
     }
-    void commit() && noexcept { target_->adopt(std::move(built_).finish()); }
+
+    void commit() && noexcept {
+      if (layout_) target_->layout_ = layout_;
+      target_->pending_ = flat_gradients<B>(storage_ ? layout_ : nullptr, std::move(storage_));
+    }
 
    private:
     gradients_accumulator* target_;
-    typename gradients_params<B>::builder built_;
+    const parameter_set<B>* params_;
+    std::optional<float_dtype> expected_;
+    std::shared_ptr<const flat_layout<B>> layout_;
+    std::shared_ptr<detail::flat_storage> storage_;
   };
 
-  /// @brief Replaces the pending sums with `pending` (owned F32/F64 tensors, already validated
-  /// against the parameters by the caller). Used when restoring.
-  void adopt(gradients_params<B>&& pending) noexcept {
-    pending_ = std::move(pending);
-    slots_.clear();
-    slots_for_ = 0;
-    pending_dtype_ = common_dtype(pending_);
-  }
-
  private:
-  using value_type = typename gradients_params<B>::value_type;
+  template <class>
+  friend class weighted_gradients_accumulator;
 
-  /// The work dtype of `position`'s pending tensor after this call.
-  static float_dtype target_dtype(const value_type* pending, const value_type& incoming,
-                                  std::optional<float_dtype> work) noexcept {
-    if (work) return *work;
-    if (pending) return gradients_params<B>::dtype_of_value(*pending);
-    return gradients_params<B>::dtype_of_value(incoming) == float_dtype::f64 ? float_dtype::f64 : float_dtype::f32;
-  }
-
-  void add(const parameter_set<B>& params, const gradients_params<B>& grads, double multiplier,
-           std::optional<float_dtype> work) {
-    // 1. Validate every gradient and resolve its id to a parameter position; nothing is touched
-    // yet. Positions of an earlier call stand while neither the set nor the ids of `grads`
-    // changed, so a steady-state call only checks shapes and devices; and not even those when
-    // every gradient is a view of a backend whose views keep their geometry, and no entry
-    // changed since they were checked.
-    const resolution_key key{params.identity(), params.size(), grads.ids_version()};
-    std::size_t k = 0;
-    bool all_views = true;
-    if (key != resolved_for_) {
-      resolved_for_ = {};  // positions_ is rewritten below, possibly only in part
-      views_checked_for_ = 0;
-      positions_.resize(grads.size());
-      std::size_t hint = 0;
-      for (const auto& e : grads) {
-        const std::size_t position = detail::visit_gradient(
-            [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
-        positions_[k++] = position;
-        hint = position + 1;
-        all_views = all_views && gradients_params<B>::is_view(e.value);
-      }
-      resolved_for_ = key;
-    } else if (grads.values_version() != views_checked_for_) {
-      for (const auto& e : grads) {
-        const auto& param = params[positions_[k++]];
-        detail::visit_gradient([&](const auto& value) { detail::check_geometry<B>(param, e.id, value); }, e.value);
-        all_views = all_views && gradients_params<B>::is_view(e.value);
-      }
+  /// The values of a record tensor, for `restorer::add`.
+  struct record_values_source {
+    const record_values& values;
+    template <class S>
+    void into(std::span<S> out) const {
+      std::copy_n(std::get<std::vector<S>>(values).data(), out.size(), out.data());
     }
-    if (detail::views_keep_geometry<B>() && all_views) views_checked_for_ = grads.values_version();
-    const bool rebind = slots_for_ != params.identity() || slots_.size() != params.size();
-    const bool all_pending =
-        !rebind && std::all_of(positions_.begin(), positions_.end(), [&](std::size_t p) { return slots_[p] != 0; });
+  };
 
-    // 2. Steady state skips this: every id has a pending tensor of the right dtype already.
-    const bool convert = work && !pending_.empty() && pending_dtype_ != work;
-    if (!all_pending || convert) prepare(params, grads, work, rebind);
-
-    // 3. Add: nothing below can throw.
-    k = 0;
+  void add(const parameter_set<B>& params, const gradients_params<B>& grads, double multiplier, float_dtype dtype) {
+    // 1. Validate every gradient and resolve its id to a parameter position; nothing is touched.
+    positions_.clear();
+    positions_.reserve(grads.size());
+    std::size_t hint = 0;
     for (const auto& e : grads) {
-      auto& target = pending_.entries_[slots_[positions_[k++]] - 1].value;
-      std::visit(
-          [&](auto& acc) {
-            using W = detail::element_of<B, decltype(acc)>;
-            if constexpr (std::is_same_v<W, float> || std::is_same_v<W, double>) {
-              if constexpr (std::is_same_v<std::remove_cvref_t<decltype(acc)>, tensor<W>>) {
-                detail::visit_gradient([&](const auto& g) { B::add_scaled(acc, g, static_cast<W>(multiplier)); },
-                                       e.value);
-              }
-            }
-          },
-          target);
+      const std::size_t position = detail::visit_gradient(
+          [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
+      positions_.push_back(position);
+      hint = position + 1;
     }
-  }
+    if (grads.empty()) return;
 
-  /// Allocates what a call needs (the position → pending map, zero tensors for new ids,
-  /// pending tensors converted to `work`), then commits it without throwing. A throw while
-  /// allocating leaves the accumulator as it was.
-  void prepare(const parameter_set<B>& params, const gradients_params<B>& grads, std::optional<float_dtype> work,
-               bool rebind) {
-    std::vector<std::uint32_t> rebuilt_slots;
-    if (rebind) {
-      rebuilt_slots.assign(params.size(), 0);
-      std::size_t index = 0;
-      for (const auto& e : pending_) {
-        ++index;
-        if (const auto position = params.find(e.id)) rebuilt_slots[*position] = static_cast<std::uint32_t>(index);
-      }
-    }
-    const std::vector<std::uint32_t>& slots = rebind ? rebuilt_slots : slots_;
+    // 2. Allocate what is missing: a layout for this parameter set, a buffer in `dtype`.
+    std::shared_ptr<const flat_layout<B>> layout = layout_for(params);
+    std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
 
-    // Ids are unique within `grads`, so each new position appears once.
-    std::vector<std::pair<std::size_t, typename gradients_params<B>::entry>> fresh;  // position, zeros
-    std::vector<std::pair<std::size_t, value_type>> converted;  // pending index, value in the new dtype
+    // 3. Commit and add: nothing below can throw.
+    layout_ = layout;
+    pending_.layout_ = std::move(layout);
+    pending_.storage_ = std::move(storage);
+    const flat_layout<B>& segments = *pending_.layout_;
+    detail::flat_storage& buffer = *pending_.storage_;
     std::size_t k = 0;
     for (const auto& e : grads) {
       const std::size_t position = positions_[k++];
-      const std::uint32_t slot = slots[position];
-      if (slot == 0) {
-        const auto& param = params[position];
-        detail::visit_work_dtype(target_dtype(nullptr, e.value, work), [&]<class W>() {
-          fresh.emplace_back(position, typename gradients_params<B>::entry{
-                                           param.id, value_type(std::in_place_type<tensor<W>>,
-                                                                B::template zeros<W>(param.shape, param.device))});
-        });
-      }
+      const flat_segment<B>& s = segments[position];
+      detail::visit_work_dtype(dtype, [&]<class W>() {
+        const std::span<W> target(buffer.data<W>() + s.offset, s.size);
+        detail::visit_gradient([&](const auto& g) { B::add_scaled(target, g, static_cast<W>(multiplier)); }, e.value);
+      });
+      buffer.mark_present(position);
     }
-    if (work) {
-      std::size_t index = 0;
-      for (const auto& e : pending_) {
-        if (gradients_params<B>::dtype_of_value(e.value) != *work) {
-          detail::visit_work_dtype(*work, [&]<class W>() {
-            converted.emplace_back(
-                index,
-                value_type(std::in_place_type<tensor<W>>,
-                           detail::visit_gradient([](const auto& v) { return B::template convert<W>(v); }, e.value)));
-          });
-        }
-        ++index;
-      }
-    }
-    pending_.reserve(pending_.size() + fresh.size());
+  }
 
-    // Commit.
-    if (rebind) {
-      slots_.swap(rebuilt_slots);
-      slots_for_ = params.identity();
+  /// Checks that every pending id is a parameter of `params` with the same shape.
+  void check_pending_for(const parameter_set<B>& params) const {
+    if (!pending_.layout_ || pending_.layout_->laid_out_for(params)) return;
+    for (const auto& e : pending_) {
+      const auto position = params.find(e.id);
+      if (!position) detail::fail_unknown<B>(e.id);
+      if (params[*position].shape != e.shape) {
+        detail::fail(errc::parameter_mismatch,
+                     "pending gradient '" + std::string(e.id) + "' has shape " + e.shape.to_string() +
+                         " but its parameter has shape " + params[*position].shape.to_string() + ".",
+                     std::string(e.id));
+      }
     }
-    for (auto& [index, value] : converted) pending_.entries_[index].value = std::move(value);
-    for (auto& [position, added] : fresh) {
-      pending_.push_back_reserved(std::move(added));
-      slots_[position] = static_cast<std::uint32_t>(pending_.size());
+  }
+
+  /// The layout for `params`: the current one while it was laid out for this set, else new.
+  std::shared_ptr<const flat_layout<B>> layout_for(const parameter_set<B>& params) const {
+    if (layout_ && layout_->laid_out_for(params)) return layout_;
+    return std::make_shared<const flat_layout<B>>(params);
+  }
+
+  /// A buffer laid out with `layout`, in `dtype`, holding the pending sums, that this call may
+  /// write: the pending one if it fits; else the pending values moved into a recycled or new
+  /// buffer (converted to `dtype`, moved to the new layout). Changes nothing visible.
+  std::shared_ptr<detail::flat_storage> writable(const std::shared_ptr<const flat_layout<B>>& layout,
+                                                 float_dtype dtype) {
+    const bool same_layout = pending_.layout_ == layout;
+    if (pending_.storage_ && same_layout && pending_.storage_->dtype == dtype) return pending_.storage_;
+    std::shared_ptr<detail::flat_storage> fresh = recycle(layout, dtype);
+    if (!fresh) fresh = detail::flat_storage::allocate(dtype, layout->elements(), layout->size());
+    if (pending_.empty()) return fresh;
+    // Move the pending values over (new dtype or new layout): by id, checked like a gradient.
+    try {
+      for (const auto& e : pending_) {
+        const auto position = layout->find(e.id);
+        if (!position || (*layout)[*position].shape != e.shape) {
+          if (!position) detail::fail_unknown<B>(e.id);
+          detail::fail(errc::parameter_mismatch,
+                       "pending gradient '" + std::string(e.id) + "' has shape " + e.shape.to_string() +
+                           " but its parameter has shape " + (*layout)[*position].shape.to_string() + ".",
+                       std::string(e.id));
+        }
+        const flat_segment<B>& s = (*layout)[*position];
+        detail::visit_work_dtype(dtype, [&]<class W>() {
+          W* out = fresh->data<W>() + s.offset;
+          if (pending_.dtype() == float_dtype::f64) {
+            kernels::convert(out, pending_.storage_->template data<double>() + e.offset, e.size);
+          } else {
+            kernels::convert(out, pending_.storage_->template data<float>() + e.offset, e.size);
+          }
+        });
+        fresh->mark_present(*position);
+      }
+    } catch (...) {
+      fresh->clear(*layout);
+      throw;
     }
-    pending_dtype_ = common_dtype(pending_);
+    return fresh;
+  }
+
+  /// A buffer handed out by `grads()` that nobody else holds any more, cleared; else null.
+  std::shared_ptr<detail::flat_storage> recycle(const std::shared_ptr<const flat_layout<B>>& layout,
+                                                float_dtype dtype) noexcept {
+    for (auto& [laid_out_with, storage] : recycled_) {
+      if (storage && storage.use_count() == 1 && laid_out_with == layout && storage->dtype == dtype) {
+        storage->clear(*layout);
+        return std::exchange(storage, nullptr);
+      }
+    }
+    return nullptr;
   }
 
   static void require_pending_dtype(const std::string& id, float_dtype dtype) {
@@ -299,32 +335,15 @@ class gradients_accumulator {
     }
   }
 
-  /// The dtype every pending tensor shares, if there is one.
-  static std::optional<float_dtype> common_dtype(const gradients_params<B>& pending) noexcept {
-    std::optional<float_dtype> common;
-    for (const auto& e : pending) {
-      const float_dtype dtype = gradients_params<B>::dtype_of_value(e.value);
-      if (common && *common != dtype) return std::nullopt;
-      common = dtype;
-    }
-    return common;
-  }
-
-  /// What `positions_` was resolved for: parameter set identity and size, ids version of the gradients.
-  struct resolution_key {
-    std::uint64_t params = 0;
-    std::size_t size = 0;
-    std::uint64_t ids = 0;
-    friend bool operator==(const resolution_key&, const resolution_key&) = default;
+  struct recycled_storage {
+    std::shared_ptr<const flat_layout<B>> layout;
+    std::shared_ptr<detail::flat_storage> storage;
   };
 
-  gradients_params<B> pending_;
-  std::vector<std::uint32_t> slots_;          // parameter position → pending index + 1 (0: none yet)
-  std::uint64_t slots_for_ = 0;               // identity of the parameter set `slots_` was built for
-  std::vector<std::size_t> positions_;        // parameter positions of the last gradients, in order
-  resolution_key resolved_for_;               // what `positions_` holds positions for
-  std::uint64_t views_checked_for_ = 0;       // values version of all-view gradients checked under it
-  std::optional<float_dtype> pending_dtype_;  // dtype shared by every pending tensor, if any
+  flat_gradients<B> pending_;
+  std::shared_ptr<const flat_layout<B>> layout_;  // the last parameter set's, kept across windows
+  std::array<recycled_storage, 2> recycled_;      // buffers of the last two results, for reuse
+  std::vector<std::size_t> positions_;            // scratch: parameter positions of a call's gradients
 };
 
 }  // namespace gradaccum

@@ -40,7 +40,7 @@ template <class B>
 /// Checks that the gradient `id` has the shape and device of `param`; throws parameter_mismatch.
 template <class B, class X>
 void check_geometry(const typename parameter_set<B>::parameter& param, std::string_view id, const X& value) {
-  if (!has_shape<B>(value, param.shape, id)) {
+  if (shape_of<B>(value, id) != param.shape) {
     fail(errc::parameter_mismatch,
          "gradient '" + std::string(id) + "' has shape " + shape_of<B>(value, id).to_string() +
              " but its parameter has shape " + param.shape.to_string() + ".",
@@ -59,36 +59,6 @@ std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X
   if (!position) fail_unknown<B>(id);
   check_geometry<B>(params[*position], id, value);
   return *position;
-}
-
-// The two helpers below name B's optional checkpoint functions only inside templates of their
-// own: in a generic lambda of a class template, clang checks `B::member` once B is known.
-
-/// `B::row_major_data(t)` where the backend lends its storage (`lends_row_major`), else null.
-template <class B, class T>
-const T* lent_row_major(const typename B::template tensor<T>& t) noexcept {
-  if constexpr (lends_row_major<B, T>) {
-    return B::row_major_data(t);
-  } else {
-    return nullptr;
-  }
-}
-
-/// A new tensor of `shape` whose row-major values `values.into(std::span<T>)` wrote straight
-/// into its storage, where the backend lends it; else empty. Where the layout is not row-major
-/// the tensor is dropped untouched: cheap, and backends need not expose their layout rules.
-template <class B, class T, class Values>
-std::optional<typename B::template tensor<T>> filled_in_place(const tensor_shape& shape,
-                                                              const typename B::device_type& device,
-                                                              const Values& values) {
-  if constexpr (lends_row_major<B, T>) {
-    auto created = B::template uninitialized<T>(shape, device);
-    if (T* data = B::row_major_data(created)) {
-      values.into(std::span<T>(data, *shape.checked_element_count()));
-      return created;
-    }
-  }
-  return std::nullopt;
 }
 
 template <float_dtype D, class F>
@@ -152,7 +122,6 @@ class gradients_params {
       // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
       value_type replacement(std::in_place_type<stored>, std::forward<X>(value));
       entries_[*position].value = std::move(replacement);
-      values_.renew();
       return;
     }
     entry added{std::string(id), value_type(std::in_place_type<stored>, std::forward<X>(value))};
@@ -179,8 +148,7 @@ class gradients_params {
   }
 
   /// @brief The owned tensor of element type T of the `index`-th entry (in `begin()` order),
-  /// reached without hashing its id; null when of another element type or a view. Views are not
-  /// handed out mutably: accumulators rely on a view changing only through `insert`.
+  /// reached without hashing its id; null when of another element type or a view.
   /// Precondition: `index < size()`.
   template <class T>
   [[nodiscard]] tensor<T>* get_at(std::size_t index) noexcept {
@@ -200,16 +168,12 @@ class gradients_params {
     if (!position) return false;
     entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(*position));
     index_.rebuild(entries_.size(), key_of());
-    ids_.renew();
-    values_.renew();
     return true;
   }
 
   void clear() noexcept {
     entries_.clear();
     index_.clear();
-    ids_.renew();
-    values_.renew();
   }
 
   [[nodiscard]] bool contains(std::string_view id) const noexcept { return find(id).has_value(); }
@@ -217,11 +181,6 @@ class gradients_params {
   [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
   [[nodiscard]] auto begin() const noexcept { return entries_.cbegin(); }
   [[nodiscard]] auto end() const noexcept { return entries_.cend(); }
-
-  /// @brief Changes whenever an id is added or removed, never when `insert` replaces the value
-  /// of an id already present: accumulators resolve ids again only when it changed, so reusing
-  /// one `gradients_params` across microbatches (re-inserting the same ids) skips that work.
-  [[nodiscard]] std::uint64_t ids_version() const noexcept { return ids_.value(); }
 
   /// @brief Checks that every id is a parameter of `params` with the same shape and device.
   /// @throws error(errc::unknown_parameters) or error(errc::parameter_mismatch), naming the id.
@@ -232,34 +191,6 @@ class gradients_params {
                                     e.value) +
              1;
     }
-  }
-
-  /// @brief Validated copy with every gradient converted to work dtype `dtype`.
-  [[nodiscard]] gradients_params cast_for(const parameter_set<B>& params, float_dtype dtype) const {
-    return transformed_for(params, dtype, [](auto&) noexcept {});
-  }
-
-  /// @brief Validated copy: `g ← W(multiplier) · W(g)` in work dtype `dtype`.
-  /// @throws error(errc::invalid_scalar) when `multiplier` is not representable in `dtype`.
-  [[nodiscard]] gradients_params scaled_for(const parameter_set<B>& params, double multiplier,
-                                            float_dtype dtype) const {
-    detail::require_work_dtype(dtype);
-    detail::require_scalar(multiplier, dtype, false);
-    // Not noexcept: the product needs a fresh tensor (0 + m·g, the kernel's own rounding).
-    return transformed_for(params, dtype, [&]<class W>(tensor<W>& t) {
-      auto zero = B::template zeros<W>(B::shape(t), B::device(t));
-      B::add_scaled(zero, t, static_cast<W>(multiplier));
-      t = std::move(zero);
-    });
-  }
-
-  /// @brief Validated copy: `g ← W(g) / W(divisor)` in work dtype `dtype`.
-  /// @throws error(errc::invalid_scalar) when `divisor` is zero or not representable in `dtype`.
-  [[nodiscard]] gradients_params unscaled_for(const parameter_set<B>& params, double divisor, float_dtype dtype) const {
-    detail::require_work_dtype(dtype);
-    detail::require_scalar(divisor, dtype, true);
-    return transformed_for(params, dtype,
-                           [&]<class W>(tensor<W>& t) noexcept { B::divide(t, static_cast<W>(divisor), W{1}); });
   }
 
   /// @brief Row-major record of every gradient, sorted by id.
@@ -275,71 +206,6 @@ class gradients_params {
     return record;
   }
 
-  /// @brief Calls `f(view)` with `to_record()` as a `detail::gradients_view` and returns what `f`
-  /// returns. Values are borrowed from the tensors where the backend stores them row-major
-  /// (`B::row_major_data`) and copied only otherwise, so serializing the view writes the bytes
-  /// of `to_record()` without its copy. The view lives until `f` returns.
-  template <class F>
-  decltype(auto) visit_record(F&& f) const
-    requires serializable_backend<B>
-  {
-    const std::vector<const entry*> sorted = sorted_entries();
-    std::vector<std::array<std::uint64_t, max_rank>> shapes(sorted.size());
-    std::vector<tensor_record> copies;  // the tensors whose storage cannot be lent
-    copies.reserve(sorted.size());      // views point into it: never reallocated
-    std::vector<detail::tensor_view> views;
-    views.reserve(sorted.size());
-    for (std::size_t i = 0; i < sorted.size(); ++i) {
-      detail::visit_gradient(
-          [&](const auto& value) {
-            using X = std::remove_cvref_t<decltype(value)>;
-            using T = detail::element_of<B, X>;
-            if constexpr (std::is_same_v<X, tensor<T>> && sizeof(T) != 2) {
-              if (const T* data = detail::lent_row_major<B, T>(value)) {
-                const tensor_shape shape = B::shape(value);
-                std::copy(shape.begin(), shape.end(), shapes[i].begin());
-                views.push_back({sorted[i]->id, dtype_of<T>, std::span(shapes[i].data(), shape.rank()),
-                                 std::span<const T>(data, *shape.checked_element_count())});
-                return;
-              }
-            }
-            copies.push_back(record_of(sorted[i]->id, value));
-            views.push_back(detail::view_of(copies.back()));
-          },
-          sorted[i]->value);
-    }
-    return std::forward<F>(f)(detail::gradients_view{views});
-  }
-
-  /// @brief Builds gradients one tensor at a time with the checks of `from_record`, so a loader
-  /// can read values straight into the backend's tensors.
-  class builder {
-   public:
-    explicit builder(const parameter_set<B>& params) noexcept : params_(&params) {}
-
-    void reserve(std::size_t count) { built_.reserve(count); }
-
-    /// @brief Checks the tensor against the parameter set (see `from_record`) and the ids added
-    /// so far, creates it on its parameter's device and has `values` write its row-major values:
-    /// `values.into(std::span<T>)` straight into its storage where the backend lends it, else
-    /// `values.into(std::vector<S>&)` with S the type `record_values` holds for `dtype`.
-    /// `id` is moved from once the values are in.
-    /// @throws error(errc::invalid_record) for an id added twice, and what `from_record` throws.
-    template <class Values>
-    void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
-      const auto& param = (*params_)[check_against(*params_, id, dtype, shape)];
-      if (built_.contains(id)) detail::fail(errc::invalid_record, "record lists tensor '" + id + "' twice.", id);
-      value_type value = tensor_from(dtype, param.shape, param.device, values);
-      built_.push_back(entry{std::move(id), std::move(value)});
-    }
-
-    [[nodiscard]] gradients_params finish() && noexcept { return std::move(built_); }
-
-   private:
-    const parameter_set<B>* params_;
-    gradients_params built_;
-  };
-
   /// @brief Rebuilds gradients from a record, on the devices of `params`.
   /// @throws error(errc::invalid_record) for a malformed record, error(errc::unknown_parameters)
   /// for an id outside `params`, error(errc::parameter_mismatch) for a shape that differs, and
@@ -349,12 +215,13 @@ class gradients_params {
     requires serializable_backend<B>
   {
     validate(record);
-    builder restored(params);
+    gradients_params restored;
     restored.reserve(record.tensors.size());
     for (const tensor_record& t : record.tensors) {
-      restored.add(std::string(t.id), t.dtype, detail::record_shape(t), record_values_source{t.values});
+      const auto& param = params[check_against(params, t.id, t.dtype, detail::record_shape(t))];
+      restored.push_back_reserved(entry{t.id, tensor_from(t.dtype, param.shape, param.device, t.values)});
     }
-    return std::move(restored).finish();
+    return restored;
   }
 
   /// @brief The dtype of a stored gradient.
@@ -365,20 +232,11 @@ class gradients_params {
   }
 
  private:
-  template <class>
-  friend class gradients_accumulator;
-
   /// Tensors are stored as they are; views inside a re-seatable slot.
   template <class X>
   using stored_type = std::conditional_t<std::is_same_v<X, tensor<detail::element_of<B, X>>>, X, detail::view_slot<X>>;
 
   std::optional<std::size_t> find(std::string_view id) const noexcept { return index_.find(id, key_of()); }
-
-  /// Changes whenever an entry does (only `get<T>` gives mutable access, to owned tensors).
-  [[nodiscard]] std::uint64_t values_version() const noexcept { return values_.value(); }
-
-  /// Whether `value` is a view: its shape and device stay as inserted.
-  static bool is_view(const value_type& value) noexcept { return value.index() >= B::element_types::size; }
 
   auto key_of() const noexcept {
     return [this](std::size_t position) -> std::string_view { return entries_[position].id; };
@@ -399,25 +257,6 @@ class gradients_params {
   void push_back_reserved(entry&& added) noexcept {
     entries_.push_back(std::move(added));
     index_.insert(entries_.size() - 1, entries_.back().id);
-    ids_.renew();
-    values_.renew();
-  }
-
-  template <class F>
-  gradients_params transformed_for(const parameter_set<B>& params, float_dtype dtype, F&& transform) const {
-    detail::require_work_dtype(dtype);
-    validate_for(params);
-    gradients_params result;
-    result.reserve(entries_.size());
-    for (const entry& e : entries_) {
-      detail::visit_work_dtype(dtype, [&]<class W>() {
-        auto converted =
-            detail::visit_gradient([](const auto& value) { return B::template convert<W>(value); }, e.value);
-        transform(converted);
-        result.push_back_reserved(entry{e.id, value_type(std::in_place_type<tensor<W>>, std::move(converted))});
-      });
-    }
-    return result;
   }
 
   /// Position of a record tensor's parameter, checking shape and dtype.
@@ -475,43 +314,22 @@ class gradients_params {
     return record;
   }
 
-  /// The values of a record tensor, for `builder::add`.
-  struct record_values_source {
-    const record_values& values;
-
-    template <class S>
-    void into(std::span<S> out) const {
-      std::copy_n(std::get<std::vector<S>>(values).data(), out.size(), out.data());
-    }
-    template <class S>
-    void into(std::vector<S>& out) const {
-      out = std::get<std::vector<S>>(values);
-    }
-  };
-
-  /// A tensor of `shape` holding `values` (see `builder::add`).
-  template <class Values>
+  /// A tensor of `shape` holding a record's row-major `values`.
   static value_type tensor_from(float_dtype dtype, const tensor_shape& shape, const typename B::device_type& device,
-                                const Values& values) {
+                                const record_values& values) {
     std::optional<value_type> result;
     detail::for_each_type<typename B::element_types>([&]<class T>() {
       if (dtype_of<T> != dtype || result) return;
       if constexpr (sizeof(T) == 2) {
-        std::vector<std::uint16_t> bits;
-        values.into(bits);
+        const auto& bits = std::get<std::vector<std::uint16_t>>(values);
         std::vector<T> elements(bits.size());
         std::transform(bits.begin(), bits.end(), elements.begin(), [](std::uint16_t b) { return std::bit_cast<T>(b); });
         result.emplace(std::in_place_type<tensor<T>>,
                        B::template from_row_major<T>(std::span<const T>(elements), shape, device));
       } else {
-        if (auto in_place = detail::filled_in_place<B, T>(shape, device, values)) {
-          result.emplace(std::in_place_type<tensor<T>>, std::move(*in_place));
-          return;
-        }
-        std::vector<T> row_major;
-        values.into(row_major);
         result.emplace(std::in_place_type<tensor<T>>,
-                       B::template from_row_major<T>(std::span<const T>(row_major), shape, device));
+                       B::template from_row_major<T>(std::span<const T>(std::get<std::vector<T>>(values)), shape,
+                                                     device));
       }
     });
     return std::move(*result);
@@ -528,8 +346,6 @@ class gradients_params {
 
   std::vector<entry> entries_;
   detail::id_index index_;
-  detail::version_stamp ids_;
-  detail::version_stamp values_;
 };
 
 }  // namespace gradaccum

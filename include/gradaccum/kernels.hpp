@@ -156,6 +156,31 @@ void add_scaled(W* __restrict acc, const T* __restrict g, std::size_t count, W s
     }
   });
 }
+
+/// @brief `acc[r · cols + c] = acc[r · cols + c] + scale · W(g[r + c · rows])`: a column-major
+/// `rows × cols` gradient added into row-major sums, with the arithmetic of `add_scaled`.
+///
+/// In tiles of 32 × 32, so both sides are read a cache line at a time.
+template <class W, element_type T>
+void add_scaled_transposed(W* __restrict acc, const T* __restrict g, std::size_t rows, std::size_t cols,
+                           W scale) noexcept {
+  constexpr std::size_t tile = 32;
+  gradaccum::detail::for_ranges((rows + tile - 1) / tile, [=](std::size_t begin, std::size_t end) noexcept {
+    GRADACCUM_NO_FP_CONTRACT
+    for (std::size_t r0 = begin * tile; r0 < end * tile && r0 < rows; r0 += tile) {
+      const std::size_t r1 = r0 + tile < rows ? r0 + tile : rows;
+      for (std::size_t c0 = 0; c0 < cols; c0 += tile) {
+        const std::size_t c1 = c0 + tile < cols ? c0 + tile : cols;
+        for (std::size_t r = r0; r < r1; ++r) {
+          for (std::size_t c = c0; c < c1; ++c) {
+            const W product = scale * to_work<W>(g[r + c * rows]);
+            acc[r * cols + c] = acc[r * cols + c] + product;
+          }
+        }
+      }
+    }
+  });
+}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif

@@ -12,6 +12,7 @@
 #include "gradaccum/backend.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
+#include "gradaccum/flat_gradients.hpp"
 #include "gradaccum/gradients_accumulator.hpp"
 #include "gradaccum/gradients_params.hpp"
 #include "gradaccum/parameter_set.hpp"
@@ -23,7 +24,7 @@ namespace gradaccum {
 template <class B>
 struct accumulated_gradients {
   /// Present gradients only: a parameter that received none in the window is absent.
-  gradients_params<B> gradients;
+  flat_gradients<B> gradients;
   weighted_accumulation_state state;
 };
 
@@ -86,7 +87,7 @@ class weighted_gradients_accumulator {
     if (!(state_.total_weight > 0.0)) {
       detail::fail(errc::empty_weight, "cannot normalize an accumulation window whose total weight is zero.");
     }
-    accumulator_.pending().validate_for(params);
+    accumulator_.check_pending_for(params);
     accumulator_.divide_pending(state_.loss_scale, state_.total_weight);
     accumulated_gradients<B> result{accumulator_.grads(), state_};
     reset_counters();
@@ -97,24 +98,20 @@ class weighted_gradients_accumulator {
   [[nodiscard]] const weighted_accumulation_state& state() const noexcept { return state_; }
 
   /// @brief The pending (loss-scaled) sums.
-  [[nodiscard]] const gradients_params<B>& pending() const noexcept { return accumulator_.pending(); }
+  [[nodiscard]] const flat_gradients<B>& pending() const noexcept { return accumulator_.pending(); }
 
   /// @brief Ids whose pending values hold a NaN or an infinity, sorted; changes nothing.
   /// Pair it with a loss scaler: a non-empty result means the window overflowed.
   [[nodiscard]] std::vector<std::string> non_finite() const { return accumulator_.non_finite(); }
 
   /// @brief Snapshot of pending values and state; nothing is reset.
-  [[nodiscard]] weighted_gradients_record try_to_record() const
-    requires serializable_backend<B>
-  {
+  [[nodiscard]] weighted_gradients_record try_to_record() const {
     return {accumulator_.try_to_record(), state_};
   }
 
   /// @brief `f(view)` of `try_to_record()` without its copy (see `gradients_params::visit_record`).
   template <class F>
-  decltype(auto) visit_record(F&& f) const
-    requires serializable_backend<B>
-  {
+  decltype(auto) visit_record(F&& f) const {
     return accumulator_.visit_record([&](const detail::gradients_view& gradients) {
       return f(detail::weighted_gradients_view{state_, gradients});
     });
@@ -122,9 +119,7 @@ class weighted_gradients_accumulator {
 
   /// @brief Snapshot as of this call, assembled on another thread: the calling thread pays one
   /// copy of the pending tensors and may use the accumulator again as soon as this returns.
-  [[nodiscard]] std::future<weighted_gradients_record> to_record_async() const
-    requires serializable_backend<B>
-  {
+  [[nodiscard]] std::future<weighted_gradients_record> to_record_async() const {
     return std::async(std::launch::async, [pending = accumulator_.pending(), state = state_] {
       return weighted_gradients_record{pending.to_record(), state};
     });
@@ -135,15 +130,18 @@ class weighted_gradients_accumulator {
   /// @throws error(errc::invalid_state) for an inconsistent state or a pending tensor of another
   /// dtype than the state's; error(errc::invalid_record), error(errc::unknown_parameters),
   /// error(errc::parameter_mismatch) from the tensors. The accumulator is unchanged on error.
-  void load_record(const parameter_set<B>& params, const weighted_gradients_record& record)
-    requires serializable_backend<B>
-  {
+  void load_record(const parameter_set<B>& params, const weighted_gradients_record& record) {
     check_restorable(record.state, record.gradients.tensors.size(), [&](auto&& on_tensor) {
       for (const tensor_record& t : record.gradients.tensors) on_tensor(t.id, t.dtype);
     });
-    auto restored = gradients_params<B>::from_record(params, record.gradients);
-    accumulator_.adopt(std::move(restored));
-    state_ = record.state;
+    validate(record.gradients);
+    restorer restored(*this, params);
+    restored.state(record.state);
+    for (const tensor_record& t : record.gradients.tensors) {
+      restored.add(std::string(t.id), t.dtype, detail::record_shape(t),
+                   typename gradients_accumulator<B>::record_values_source{t.values});
+    }
+    std::move(restored).commit();
   }
 
   /// @brief Restores the window state and pending values piece by piece as a loader reads them
@@ -152,11 +150,12 @@ class weighted_gradients_accumulator {
   class restorer {
    public:
     restorer(weighted_gradients_accumulator& target, const parameter_set<B>& params) noexcept
-        : target_(&target), built_(params) {}
+        : target_(&target), built_(target.accumulator_, params) {}
 
     void state(const weighted_accumulation_state& state) {
       check_restorable(state, 0, [](auto&&) {});
       state_ = state;
+      built_.expect_dtype(state.dtype);
     }
     void reserve(std::size_t count) { built_.reserve(count); }
     template <class Values>
@@ -165,13 +164,13 @@ class weighted_gradients_accumulator {
       built_.add(std::move(id), dtype, shape, values);
     }
     void commit() && noexcept {
-      target_->accumulator_.adopt(std::move(built_).finish());
+      std::move(built_).commit();
       target_->state_ = state_;
     }
 
    private:
     weighted_gradients_accumulator* target_;
-    typename gradients_params<B>::builder built_;
+    typename gradients_accumulator<B>::restorer built_;
     weighted_accumulation_state state_;
   };
 
@@ -181,9 +180,9 @@ class weighted_gradients_accumulator {
                                                                        gradients_accumulator<B>&& pending,
                                                                        const weighted_accumulation_state& state) {
     check_restorable(state, pending.pending().size(), [&](auto&& on_tensor) {
-      for (const auto& e : pending.pending()) on_tensor(e.id, gradients_params<B>::dtype_of_value(e.value));
+      for (const auto& e : pending.pending()) on_tensor(std::string(e.id), pending.pending().dtype());
     });
-    pending.validate(params, pending.pending());
+    pending.check_pending_for(params);
     weighted_gradients_accumulator restored(state.dtype, state.loss_scale);
     restored.accumulator_ = std::move(pending);
     restored.state_ = state;

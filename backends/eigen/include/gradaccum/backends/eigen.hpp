@@ -38,9 +38,10 @@ struct eigen_cpu_device {
 
 /// @brief Traits that adapt dense, column-major Eigen matrices to `tensor_backend`.
 ///
-/// A matrix has shape [rows, cols]. Records store values row-major, so a record written here
-/// restores into any other backend with the same shapes. Matrices own contiguous host memory,
-/// which `data` exposes (`host_memory_backend`).
+/// A matrix has shape [rows, cols]. Sums and records hold values row-major, so a record written
+/// here restores into any other backend with the same shapes; results are handed out as
+/// `Eigen::Map`s of row-major matrices over the window's buffer, which any Eigen expression
+/// takes (`w -= lr * *g`).
 struct eigen_backend {
   using device_type = eigen_cpu_device;
   using element_types = type_list<Eigen::half, Eigen::bfloat16, float, double>;
@@ -48,19 +49,13 @@ struct eigen_backend {
   using tensor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
   template <class T>
   using view = Eigen::Map<const tensor<T>>;
-
-  /// Views store their dimensions: a view's shape never changes once it is made.
-  static constexpr bool views_keep_geometry = true;
+  /// A result: row-major values of the window's buffer, read in place.
+  template <class W>
+  using result_view = Eigen::Map<const Eigen::Matrix<W, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
 
   template <class X>
   static tensor_shape shape(const X& x) {
     return {static_cast<std::size_t>(x.rows()), static_cast<std::size_t>(x.cols())};
-  }
-
-  /// shape(x) == s, comparing the dimensions in place.
-  template <class X>
-  static bool has_shape(const X& x, const tensor_shape& s) noexcept {
-    return s.rank() == 2 && s[0] == static_cast<std::size_t>(x.rows()) && s[1] == static_cast<std::size_t>(x.cols());
   }
 
   template <class X>
@@ -68,34 +63,21 @@ struct eigen_backend {
     return {};
   }
 
-  /// The storage, column-major.
-  template <class T>
-  static T* data(tensor<T>& t) noexcept {
-    return t.data();
-  }
-
-  /// Shapes of rank 1 become column vectors; rank 0 a 1×1 matrix.
-  template <class W>
-  static tensor<W> zeros(const tensor_shape& s, const device_type& /*device*/) {
-    const auto [rows, cols] = rows_cols(s);
-    return tensor<W>::Zero(rows, cols);
-  }
-
-  /// acc += scale · W(g), one pass over contiguous storage.
+  /// acc += scale · W(g), acc row-major: one pass for vectors, a tiled transpose otherwise.
   template <class W, class X>
-  static void add_scaled(tensor<W>& acc, const X& g, W scale) noexcept {
-    kernels::add_scaled(acc.data(), g.data(), static_cast<std::size_t>(acc.size()), scale);
+  static void add_scaled(std::span<W> acc, const X& g, W scale) noexcept {
+    if (g.rows() <= 1 || g.cols() <= 1) {
+      kernels::add_scaled(acc.data(), g.data(), acc.size(), scale);
+    } else {
+      kernels::add_scaled_transposed(acc.data(), g.data(), static_cast<std::size_t>(g.rows()),
+                                     static_cast<std::size_t>(g.cols()), scale);
+    }
   }
 
-  /// acc = (acc / first) / second.
   template <class W>
-  static void divide(tensor<W>& acc, W first, W second) noexcept {
-    kernels::divide(acc.data(), static_cast<std::size_t>(acc.size()), first, second);
-  }
-
-  template <class W>
-  static bool all_finite(const tensor<W>& t) noexcept {
-    return kernels::all_finite(t.data(), static_cast<std::size_t>(t.size()));
+  static result_view<W> map(std::span<const W> values, const tensor_shape& s, const device_type& /*device*/) noexcept {
+    const auto [rows, cols] = rows_cols(s);
+    return result_view<W>(values.data(), rows, cols);
   }
 
   /// An owned copy in element type W (the identity for W equal to the input's type).
@@ -124,22 +106,6 @@ struct eigen_backend {
                                                                                                cols);
   }
 
-  template <class T>
-  static tensor<T> uninitialized(const tensor_shape& s, const device_type& /*device*/) {
-    const auto [rows, cols] = rows_cols(s);
-    return tensor<T>(rows, cols);
-  }
-
-  /// Column-major storage is row-major order too when there is one row or one column.
-  template <class T>
-  static T* row_major_data(tensor<T>& t) noexcept {
-    return t.rows() <= 1 || t.cols() <= 1 ? t.data() : nullptr;
-  }
-  template <class T>
-  static const T* row_major_data(const tensor<T>& t) noexcept {
-    return t.rows() <= 1 || t.cols() <= 1 ? t.data() : nullptr;
-  }
-
  private:
   struct extent {
     Eigen::Index rows;
@@ -155,6 +121,6 @@ struct eigen_backend {
   }
 };
 
-static_assert(serializable_backend<eigen_backend> && host_memory_backend<eigen_backend>);
+static_assert(serializable_backend<eigen_backend>);
 
 }  // namespace gradaccum

@@ -73,7 +73,7 @@ struct xtensor_cpu_device {
 /// Any rank up to `gradaccum::max_rank`; a rank-0 array holds one value. Storage is row-major
 /// (the layout is fixed here rather than taken from `XTENSOR_DEFAULT_LAYOUT`), so record values
 /// are a plain copy of the storage, and tensors and views always agree element for element.
-/// Arrays own contiguous host memory, which `data` exposes (`host_memory_backend`).
+/// Results are handed out as `view<W>`s of the window's buffer.
 struct xtensor_backend {
   using device_type = xtensor_cpu_device;
   using element_types = type_list<f16_bits, bf16_bits, float, double>;
@@ -93,9 +93,6 @@ struct xtensor_backend {
   using view = xt::xarray_adaptor<xt::xbuffer_adaptor<const T*, xt::no_ownership, std::allocator<T>>,
                                   xt::layout_type::row_major, shape_type>;
 
-  /// Views store their dimensions: a view's shape never changes once it is made.
-  static constexpr bool views_keep_geometry = true;
-
   /// @brief A view of the row-major values at `data` with dimensions `dims`; `data` must hold
   /// the product of `dims` elements and outlive every use of the view.
   template <class T>
@@ -111,48 +108,21 @@ struct xtensor_backend {
     return tensor_shape(std::span<const std::size_t>(dims.data(), dims.size()));
   }
 
-  /// shape(x) == s, comparing the dimensions in place (a loop: std::equal calls memcmp).
-  template <class X>
-  static bool has_shape(const X& x, const tensor_shape& s) noexcept {
-    const auto& dims = x.shape();
-    if (dims.size() != s.rank()) return false;
-    for (std::size_t axis = 0; axis < dims.size(); ++axis) {
-      if (dims[axis] != s[axis]) return false;
-    }
-    return true;
-  }
-
   template <class X>
   static device_type device(const X& /*x*/) noexcept {
     return {};
   }
 
-  /// The storage, row-major.
-  template <class T>
-  static T* data(tensor<T>& t) noexcept {
-    return t.data();
-  }
-
-  template <class W>
-  static tensor<W> zeros(const tensor_shape& s, const device_type& /*device*/) {
-    return tensor<W>(to_shape_type(s), W{0});
-  }
-
-  /// acc += scale · W(g), one pass over contiguous storage.
+  /// acc += scale · W(g), one pass over contiguous storage (both row-major).
   template <class W, class X>
-  static void add_scaled(tensor<W>& acc, const X& g, W scale) noexcept {
+  static void add_scaled(std::span<W> acc, const X& g, W scale) noexcept {
     kernels::add_scaled(acc.data(), g.data(), acc.size(), scale);
   }
 
-  /// acc = (acc / first) / second.
+  /// A result: a view of the window's buffer.
   template <class W>
-  static void divide(tensor<W>& acc, W first, W second) noexcept {
-    kernels::divide(acc.data(), acc.size(), first, second);
-  }
-
-  template <class W>
-  static bool all_finite(const tensor<W>& t) noexcept {
-    return kernels::all_finite(t.data(), t.size());
+  static view<W> map(std::span<const W> values, const tensor_shape& s, const device_type& /*device*/) {
+    return view_of(values.data(), to_shape_type(s));
   }
 
   /// An owned copy in element type W (a plain copy when W is the input's element type).
@@ -180,24 +150,10 @@ struct xtensor_backend {
     return out;
   }
 
-  template <class T>
-  static tensor<T> uninitialized(const tensor_shape& s, const device_type& /*device*/) {
-    return tensor<T>(to_shape_type(s));
-  }
-
-  template <class T>
-  static T* row_major_data(tensor<T>& t) noexcept {
-    return t.data();
-  }
-  template <class T>
-  static const T* row_major_data(const tensor<T>& t) noexcept {
-    return t.data();
-  }
-
  private:
   static shape_type to_shape_type(const tensor_shape& s) { return {s.begin(), s.end()}; }
 };
 
-static_assert(serializable_backend<xtensor_backend> && host_memory_backend<xtensor_backend>);
+static_assert(serializable_backend<xtensor_backend>);
 
 }  // namespace gradaccum

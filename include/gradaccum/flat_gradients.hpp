@@ -1,0 +1,377 @@
+#pragma once
+/// @file
+/// @brief `flat_gradients<B>`: a window's gradients in one contiguous work-dtype buffer.
+///
+/// Pending sums and finished results are one buffer of the work dtype laid out once from a
+/// `parameter_set`: each parameter (a tied one once) owns a segment of its element count, in
+/// row-major order, starting on a 64-byte boundary (`segment_alignment` elements), in parameter
+/// order. Which parameters received a gradient is tracked beside it: an absent parameter is
+/// absent (`get` gives nothing, records list only present ones), and its segment holds zeros,
+/// as does the padding, so the whole buffer can go to a collective or a file as one block.
+///
+/// @code
+/// auto result = window.finish_mean(params);
+/// if (auto g = result.gradients.get<float>("fc.weight")) use(*g);     // a backend view
+/// for (const auto& p : result.gradients) use(p.id, p.shape, result.gradients.values<float>(p));
+/// std::span<const float> all = result.gradients.flat<float>();        // every segment
+/// @endcode
+///
+/// The layout is shared, never copied, between an accumulator and the results it hands out, so
+/// a window costs no allocation once the buffer exists (see `gradients_accumulator`).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gradaccum/backend.hpp"
+#include "gradaccum/detail/id_index.hpp"
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
+#include "gradaccum/kernels.hpp"
+#include "gradaccum/parameter_set.hpp"
+#include "gradaccum/records.hpp"
+#include "gradaccum/shape.hpp"
+
+namespace gradaccum {
+
+/// @brief Segments start at multiples of this many elements: 64 bytes of F32 (a cache line and
+/// an AVX-512 vector), 128 of F64.
+inline constexpr std::size_t segment_alignment = 16;
+
+/// @brief Where one parameter's values live in a flat buffer.
+template <class B>
+struct flat_segment {
+  std::string id;
+  tensor_shape shape;
+  typename B::device_type device;
+  std::size_t offset = 0;  ///< first element, a multiple of `segment_alignment`
+  std::size_t size = 0;    ///< element count
+};
+
+/// @brief The segments of every parameter of a `parameter_set`, in its order (see the file
+/// comment). Immutable once built; shared by the buffers laid out with it.
+template <class B>
+class flat_layout {
+ public:
+  /// @throws error(errc::parameter_mismatch) when the elements do not fit in memory.
+  explicit flat_layout(const parameter_set<B>& params) : params_identity_(params.identity()) {
+    segments_.reserve(params.size());
+    for (const auto& p : params) {
+      const auto count = p.shape.checked_element_count();
+      const std::size_t room = SIZE_MAX / 8 - segment_alignment;  // bytes of F64 must not overflow
+      if (!count || *count > room || total_ > room - *count) {
+        detail::fail(errc::parameter_mismatch, "parameter '" + p.id + "' has more elements than fit in memory.", p.id);
+      }
+      segments_.push_back({p.id, p.shape, p.device, total_, *count});
+      total_ += (*count + segment_alignment - 1) / segment_alignment * segment_alignment;
+    }
+    index_.reserve(segments_.size(), key_of());
+    for (std::size_t i = 0; i < segments_.size(); ++i) index_.insert(i, segments_[i].id);
+    by_id_.resize(segments_.size());
+    for (std::size_t i = 0; i < by_id_.size(); ++i) by_id_[i] = i;
+    std::sort(by_id_.begin(), by_id_.end(), [&](std::size_t a, std::size_t b) { return segments_[a].id < segments_[b].id; });
+  }
+
+  [[nodiscard]] std::size_t size() const noexcept { return segments_.size(); }
+  [[nodiscard]] const flat_segment<B>& operator[](std::size_t position) const noexcept { return segments_[position]; }
+  [[nodiscard]] auto begin() const noexcept { return segments_.cbegin(); }
+  [[nodiscard]] auto end() const noexcept { return segments_.cend(); }
+  /// @brief Elements of the whole buffer, padding included.
+  [[nodiscard]] std::size_t elements() const noexcept { return total_; }
+  /// @brief Position of `id`, if it is a parameter.
+  [[nodiscard]] std::optional<std::size_t> find(std::string_view id) const noexcept {
+    return index_.find(id, key_of());
+  }
+  /// @brief Positions sorted by id: the order of records.
+  [[nodiscard]] std::span<const std::size_t> by_id() const noexcept { return by_id_; }
+  /// @brief Whether this layout was built from `params` as it is now (a set only appends).
+  [[nodiscard]] bool laid_out_for(const parameter_set<B>& params) const noexcept {
+    return params.identity() == params_identity_ && params.size() == segments_.size();
+  }
+
+ private:
+  auto key_of() const noexcept {
+    return [this](std::size_t position) -> std::string_view { return segments_[position].id; };
+  }
+
+  std::vector<flat_segment<B>> segments_;
+  detail::id_index index_;
+  std::vector<std::size_t> by_id_;
+  std::size_t total_ = 0;
+  std::uint64_t params_identity_;
+};
+
+namespace detail {
+
+struct free_deleter {
+  void operator()(void* p) const noexcept { std::free(p); }
+};
+
+/// Zero-filled, 64-byte aligned storage for `elements` values of `dtype`, and which segments of
+/// a layout hold values. Invariant: absent segments and padding are zero.
+struct flat_storage {
+  std::unique_ptr<std::byte, free_deleter> bytes;
+  float_dtype dtype = float_dtype::f32;
+  std::size_t elements = 0;
+  std::vector<std::uint8_t> present;  // per segment: 1 when it received values
+  std::size_t present_count = 0;
+
+  /// @throws std::bad_alloc
+  static std::shared_ptr<flat_storage> allocate(float_dtype dtype, std::size_t elements, std::size_t segments) {
+    auto storage = std::make_shared<flat_storage>();
+    const std::size_t size = elements * (dtype == float_dtype::f64 ? 8 : 4);
+    const std::size_t rounded = (std::max<std::size_t>(size, 1) + 63) / 64 * 64;
+    storage->bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, rounded)));
+    if (!storage->bytes) throw std::bad_alloc();
+    std::memset(storage->bytes.get(), 0, rounded);
+    storage->dtype = dtype;
+    storage->elements = elements;
+    storage->present.assign(segments, 0);
+    return storage;
+  }
+
+  template <class W>
+  [[nodiscard]] W* data() const noexcept {
+    return reinterpret_cast<W*>(bytes.get());
+  }
+  [[nodiscard]] std::size_t element_size() const noexcept { return dtype == float_dtype::f64 ? 8 : 4; }
+
+  /// Zeroes the present segments of `layout` and marks every segment absent.
+  template <class B>
+  void clear(const flat_layout<B>& layout) noexcept {
+    if (present_count == 0) return;
+    for (std::size_t i = 0; i < present.size(); ++i) {
+      if (present[i] == 0) continue;
+      std::memset(bytes.get() + layout[i].offset * element_size(), 0, layout[i].size * element_size());
+      present[i] = 0;
+    }
+    present_count = 0;
+  }
+
+  void mark_present(std::size_t position) noexcept {
+    present_count += present[position] == 0 ? 1 : 0;
+    present[position] = 1;
+  }
+};
+
+}  // namespace detail
+
+/// @brief Gradients of one window in a contiguous buffer (see the file comment). Pending sums
+/// of an accumulator and the results of `finish_sums` / `finish_mean` are this type.
+///
+/// Copying copies the buffer; moving hands it over.
+template <class B>
+class flat_gradients {
+ public:
+  /// @brief One present parameter, as iteration gives it (parameter order).
+  struct entry {
+    std::string_view id;
+    const tensor_shape& shape;
+    std::size_t offset;
+    std::size_t size;
+    std::size_t position;  ///< in the layout
+  };
+
+  flat_gradients() = default;
+  flat_gradients(const flat_gradients& other)
+      : layout_(other.layout_), storage_(other.storage_ ? copy_of(*other.storage_) : nullptr) {}
+  flat_gradients(flat_gradients&&) noexcept = default;
+  flat_gradients& operator=(const flat_gradients& other) {
+    if (this != &other) *this = flat_gradients(other);
+    return *this;
+  }
+  flat_gradients& operator=(flat_gradients&&) noexcept = default;
+  ~flat_gradients() = default;
+
+  /// @brief The work dtype of the values (F32 unless something was accumulated in F64).
+  [[nodiscard]] float_dtype dtype() const noexcept { return storage_ ? storage_->dtype : float_dtype::f32; }
+  /// @brief Number of present parameters.
+  [[nodiscard]] std::size_t size() const noexcept { return storage_ ? storage_->present_count : 0; }
+  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+  [[nodiscard]] bool contains(std::string_view id) const noexcept { return position_of(id).has_value(); }
+  /// @brief The dtype of `id`'s values, if present.
+  [[nodiscard]] std::optional<float_dtype> dtype(std::string_view id) const noexcept {
+    if (!contains(id)) return std::nullopt;
+    return storage_->dtype;
+  }
+
+  /// @brief `id`'s values as the backend's read-only view (`B::map`), if present and of element
+  /// type W; valid while this object lives and is not modified.
+  template <class W>
+  [[nodiscard]] auto get(std::string_view id) const -> std::optional<decltype(B::template map<W>(
+      std::span<const W>{}, std::declval<const tensor_shape&>(), std::declval<const typename B::device_type&>()))> {
+    const auto position = position_of(id);
+    if (!position || dtype_of<W> != storage_->dtype) return std::nullopt;
+    const flat_segment<B>& s = (*layout_)[*position];
+    return B::template map<W>(values_at<W>(s), s.shape, s.device);
+  }
+
+  /// @brief `id`'s row-major values, if present and of element type W; else empty.
+  template <class W>
+  [[nodiscard]] std::span<const W> values(std::string_view id) const noexcept {
+    const auto position = position_of(id);
+    if (!position || dtype_of<W> != storage_->dtype) return {};
+    return values_at<W>((*layout_)[*position]);
+  }
+  /// @brief The row-major values of an entry of this object; empty unless W is `dtype()`'s type.
+  template <class W>
+  [[nodiscard]] std::span<const W> values(const entry& e) const noexcept {
+    if (dtype_of<W> != storage_->dtype) return {};
+    return {storage_->data<W>() + e.offset, e.size};
+  }
+
+  /// @brief The whole buffer, padding and absent segments (zeros) included; empty unless W is
+  /// `dtype()`'s type. `layout()` says where each parameter is.
+  template <class W>
+  [[nodiscard]] std::span<const W> flat() const noexcept {
+    if (!storage_ || dtype_of<W> != storage_->dtype) return {};
+    return {storage_->data<W>(), storage_->elements};
+  }
+  /// @brief Mutable access for in-place steps on the result (clipping, a reduction).
+  template <class W>
+  [[nodiscard]] std::span<W> flat() noexcept {
+    if (!storage_ || dtype_of<W> != storage_->dtype) return {};
+    return {storage_->data<W>(), storage_->elements};
+  }
+
+  /// @brief The segments of every parameter (present or not); null before anything was laid out.
+  [[nodiscard]] const flat_layout<B>* layout() const noexcept { return layout_.get(); }
+  /// @brief Whether the parameter at `position` of `layout()` is present.
+  [[nodiscard]] bool is_present(std::size_t position) const noexcept {
+    return storage_ && position < storage_->present.size() && storage_->present[position] != 0;
+  }
+
+  /// @brief Iterates the present parameters in parameter order (the same on every rank of a
+  /// reduction, which shares the parameter set).
+  class iterator {
+   public:
+    using value_type = entry;
+    using difference_type = std::ptrdiff_t;
+    iterator() = default;
+    entry operator*() const noexcept {
+      const flat_segment<B>& s = (*owner_->layout_)[position_];
+      return {s.id, s.shape, s.offset, s.size, position_};
+    }
+    iterator& operator++() noexcept {
+      ++position_;
+      skip();
+      return *this;
+    }
+    iterator operator++(int) noexcept {
+      iterator before = *this;
+      ++*this;
+      return before;
+    }
+    friend bool operator==(const iterator& a, const iterator& b) noexcept { return a.position_ == b.position_; }
+
+   private:
+    friend class flat_gradients;
+    iterator(const flat_gradients* owner, std::size_t position) noexcept : owner_(owner), position_(position) {
+      skip();
+    }
+    void skip() noexcept {
+      const std::size_t end = owner_->layout_ ? owner_->layout_->size() : 0;
+      while (position_ < end && !owner_->is_present(position_)) ++position_;
+    }
+    const flat_gradients* owner_ = nullptr;
+    std::size_t position_ = 0;
+  };
+  [[nodiscard]] iterator begin() const noexcept { return {this, 0}; }
+  [[nodiscard]] iterator end() const noexcept { return {this, layout_ ? layout_->size() : 0}; }
+
+  /// @brief Ids whose values hold a NaN or an infinity, sorted; changes nothing.
+  [[nodiscard]] std::vector<std::string> non_finite() const {
+    std::vector<std::string> ids;
+    if (!layout_) return ids;
+    for (const std::size_t position : layout_->by_id()) {
+      if (!is_present(position)) continue;
+      const flat_segment<B>& s = (*layout_)[position];
+      const bool finite = storage_->dtype == float_dtype::f64
+                              ? kernels::all_finite(storage_->data<double>() + s.offset, s.size)
+                              : kernels::all_finite(storage_->data<float>() + s.offset, s.size);
+      if (!finite) ids.push_back(s.id);
+    }
+    return ids;
+  }
+
+  /// @brief `f(view)` with the present parameters as a `detail::gradients_view` (sorted by id)
+  /// borrowing this buffer's values; returns what `f` returns.
+  template <class F>
+  decltype(auto) visit_record(F&& f) const {
+    std::vector<std::array<std::uint64_t, max_rank>> shapes(size());
+    std::vector<detail::tensor_view> views;
+    views.reserve(size());
+    if (layout_) {
+      for (const std::size_t position : layout_->by_id()) {
+        if (!is_present(position)) continue;
+        const flat_segment<B>& s = (*layout_)[position];
+        auto& shape = shapes[views.size()];
+        std::copy(s.shape.begin(), s.shape.end(), shape.begin());
+        const auto values = storage_->dtype == float_dtype::f64
+                                ? detail::values_view(values_at<double>(s))
+                                : detail::values_view(values_at<float>(s));
+        views.push_back({s.id, storage_->dtype, std::span(shape.data(), s.shape.rank()), values});
+      }
+    }
+    return std::forward<F>(f)(detail::gradients_view{views});
+  }
+
+  /// @brief A record of the present parameters, sorted by id.
+  [[nodiscard]] gradients_params_record to_record() const {
+    return visit_record([](const detail::gradients_view& view) {
+      gradients_params_record record;
+      record.tensors.reserve(view.tensors.size());
+      for (const detail::tensor_view& t : view.tensors) {
+        tensor_record& r = record.tensors.emplace_back();
+        r.id = std::string(t.id);
+        r.dtype = t.dtype;
+        r.shape.assign(t.shape.begin(), t.shape.end());
+        std::visit([&](auto values) { r.values = std::vector(values.begin(), values.end()); }, t.values);
+      }
+      return record;
+    });
+  }
+
+ private:
+  template <class>
+  friend class gradients_accumulator;
+
+  flat_gradients(std::shared_ptr<const flat_layout<B>> layout, std::shared_ptr<detail::flat_storage> storage) noexcept
+      : layout_(std::move(layout)), storage_(std::move(storage)) {}
+
+  [[nodiscard]] std::optional<std::size_t> position_of(std::string_view id) const noexcept {
+    if (!layout_ || !storage_) return std::nullopt;
+    const auto position = layout_->find(id);
+    if (!position || !is_present(*position)) return std::nullopt;
+    return position;
+  }
+
+  template <class W>
+  [[nodiscard]] std::span<const W> values_at(const flat_segment<B>& s) const noexcept {
+    return {storage_->data<W>() + s.offset, s.size};
+  }
+
+  static std::shared_ptr<detail::flat_storage> copy_of(const detail::flat_storage& from) {
+    auto copy = detail::flat_storage::allocate(from.dtype, from.elements, from.present.size());
+    std::memcpy(copy->bytes.get(), from.bytes.get(), from.elements * from.element_size());
+    copy->present = from.present;
+    copy->present_count = from.present_count;
+    return copy;
+  }
+
+  std::shared_ptr<const flat_layout<B>> layout_;
+  std::shared_ptr<detail::flat_storage> storage_;
+};
+
+}  // namespace gradaccum
