@@ -2,8 +2,9 @@
 //
 // `lab::ndarray<T>` stands for the tensor type of your code base; it knows nothing about
 // gradaccum. `lab_backend` is the adapter: a struct of types and static functions through which
-// gradaccum creates, accumulates into, divides and copies ndarrays. Nothing else is needed: the
-// accumulators, validation, error handling and checkpoint records all come from the library.
+// gradaccum reads ndarrays into its own buffer of sums, shows results, and copies ndarrays for
+// records. Nothing else is needed: the accumulators, their buffer, validation, error handling
+// and checkpoint records all come from the library.
 #include <algorithm>
 #include <cstddef>
 #include <exception>
@@ -56,22 +57,17 @@ struct lab_backend {
   static device_type device(const tensor<T>& t) {
     return t.device();
   }
-  template <class W>
-  static tensor<W> zeros(const gradaccum::tensor_shape& shape, const device_type& device) {
-    return tensor<W>(std::vector<std::size_t>(shape.begin(), shape.end()), device);
-  }
-  // The arithmetic, on contiguous host memory: gradaccum::kernels has the exact loops.
+  // The arithmetic: acc is this parameter's slice of gradaccum's buffer of sums, row-major;
+  // gradaccum::kernels has the exact loop (two roundings, no FMA).
   template <class W, class T>
-  static void add_scaled(tensor<W>& acc, const tensor<T>& g, W scale) noexcept {  // acc += scale · W(g)
+  static void add_scaled(std::span<W> acc, const tensor<T>& g, W scale) noexcept {  // acc += scale · W(g)
     gradaccum::kernels::add_scaled(acc.data(), g.data(), acc.size(), scale);
   }
+  // How results are handed out: here as plain spans of the row-major values.
   template <class W>
-  static void divide(tensor<W>& acc, W first, W second) noexcept {  // acc = acc / first / second
-    gradaccum::kernels::divide(acc.data(), acc.size(), first, second);
-  }
-  template <class W>
-  static bool all_finite(const tensor<W>& t) noexcept {
-    return gradaccum::kernels::all_finite(t.data(), t.size());
+  static std::span<const W> map(std::span<const W> values, const gradaccum::tensor_shape& /*shape*/,
+                                const device_type& /*device*/) noexcept {
+    return values;
   }
   template <class W, class T>
   static tensor<W> convert(const tensor<T>& t) {
@@ -87,7 +83,7 @@ struct lab_backend {
   template <class T>
   static tensor<T> from_row_major(std::span<const T> values, const gradaccum::tensor_shape& shape,
                                   const device_type& device) {
-    tensor<T> out = zeros<T>(shape, device);
+    tensor<T> out(std::vector<std::size_t>(shape.begin(), shape.end()), device);
     std::copy(values.begin(), values.end(), out.data());
     return out;
   }
@@ -124,9 +120,9 @@ int main() try {
 
   const auto result = resumed.finish_mean(params);
   std::cout << result.state.microbatches << " microbatches, " << result.state.total_weight << " tokens\n";
-  const lab::ndarray<float>& mean = *result.gradients.get<float>("fc.weight");
+  const std::span<const float> mean = *result.gradients.get<float>("fc.weight");
   std::cout << "fc.weight:";
-  for (std::size_t i = 0; i < mean.size(); ++i) std::cout << ' ' << mean.data()[i];  // (1·2 + 3·6) / 4 = 5
+  for (const float x : mean) std::cout << ' ' << x;  // (1·2 + 3·6) / 4 = 5
   std::cout << '\n';
 } catch (const std::exception& e) {  // nothing above should throw, but say so if it does
   std::cerr << e.what() << '\n';

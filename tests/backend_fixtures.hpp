@@ -175,6 +175,16 @@ std::vector<W> values_of(const gradients_params<B>& grads, std::string_view id) 
   return row_major<B, W>(*t);
 }
 
+/// @brief The W values of `id` in a window's buffer; fails the test when there are none.
+template <class W, class B>
+std::vector<W> values_of(const flat_gradients<B>& grads, std::string_view id) {
+  REQUIRE_MESSAGE(grads.contains(id), "no values under '" << std::string(id) << "'");
+  REQUIRE_MESSAGE(grads.dtype() == dtype_of<W>, "values under '" << std::string(id) << "' are not "
+                                                                  << to_string(dtype_of<W>));
+  const std::span<const W> values = grads.template values<W>(id);
+  return {values.begin(), values.end()};
+}
+
 /// @brief One parameter: id and shape (on the fixture's device).
 struct parameter_geometry {
   std::string_view id;

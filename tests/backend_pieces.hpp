@@ -46,28 +46,17 @@ struct device_piece {
     return vector_backend::device(t);
   }
 };
-struct zeros_piece {
-  template <class W>
-  static tensor_type<W> zeros(const tensor_shape& shape, const vector_backend::device_type& device) {
-    return vector_backend::zeros<W>(shape, device);
-  }
-};
 struct add_scaled_piece {
   template <class W, class T>
-  static void add_scaled(tensor_type<W>& acc, const tensor_type<T>& g, W scale) noexcept {
+  static void add_scaled(std::span<W> acc, const tensor_type<T>& g, W scale) noexcept {
     vector_backend::add_scaled(acc, g, scale);
   }
 };
-struct divide_piece {
+struct map_piece {
   template <class W>
-  static void divide(tensor_type<W>& acc, W first, W second) noexcept {
-    vector_backend::divide(acc, first, second);
-  }
-};
-struct all_finite_piece {
-  template <class W>
-  static bool all_finite(const tensor_type<W>& t) noexcept {
-    return vector_backend::all_finite(t);
+  static vector_backend::view<W> map(std::span<const W> values, const tensor_shape& shape,
+                                     const vector_backend::device_type& device) noexcept {
+    return vector_backend::map(values, shape, device);
   }
 };
 struct convert_piece {
@@ -100,8 +89,8 @@ struct assembled_without : std::conditional_t<std::is_same_v<Omitted, Pieces>, l
 
 template <class Omitted>
 using backend_without = assembled_without<Omitted, device_type_piece, element_types_piece, tensor_piece, shape_piece,
-                                          device_piece, zeros_piece, add_scaled_piece, divide_piece, all_finite_piece,
-                                          convert_piece, to_row_major_piece, from_row_major_piece>;
+                                          device_piece, add_scaled_piece, map_piece, convert_piece, to_row_major_piece,
+                                          from_row_major_piece>;
 
 /// A broken replacement for one piece: the backend has every other piece and `Replacement`.
 template <class Replaced, class Replacement>
@@ -122,14 +111,8 @@ struct unknown_element_types_piece {  // std::uint16_t has no element_dtype: is 
 };
 struct throwing_add_scaled_piece {  // not noexcept: accumulation commits after validating, it cannot throw
   template <class W, class T>
-  static void add_scaled(tensor_type<W>& acc, const tensor_type<T>& g, W scale) {
+  static void add_scaled(std::span<W> acc, const tensor_type<T>& g, W scale) {
     vector_backend::add_scaled(acc, g, scale);
-  }
-};
-struct int_all_finite_piece {
-  template <class W>
-  static int all_finite(const tensor_type<W>& t) noexcept {
-    return vector_backend::all_finite(t) ? 1 : 0;
   }
 };
 /// Declares views, but no other piece accepts them.
@@ -150,10 +133,8 @@ using missing_element_types = pieces::backend_without<pieces::element_types_piec
 using missing_tensor = pieces::backend_without<pieces::tensor_piece>;
 using missing_shape = pieces::backend_without<pieces::shape_piece>;
 using missing_device = pieces::backend_without<pieces::device_piece>;
-using missing_zeros = pieces::backend_without<pieces::zeros_piece>;
 using missing_add_scaled = pieces::backend_without<pieces::add_scaled_piece>;
-using missing_divide = pieces::backend_without<pieces::divide_piece>;
-using missing_all_finite = pieces::backend_without<pieces::all_finite_piece>;
+using missing_map = pieces::backend_without<pieces::map_piece>;
 using missing_convert = pieces::backend_without<pieces::convert_piece>;
 using missing_to_row_major = pieces::backend_without<pieces::to_row_major_piece>;
 using missing_from_row_major = pieces::backend_without<pieces::from_row_major_piece>;
@@ -166,7 +147,6 @@ using unknown_element_types_instead =
     pieces::backend_replacing<pieces::element_types_piece, pieces::unknown_element_types_piece>;
 using throwing_add_scaled_instead =
     pieces::backend_replacing<pieces::add_scaled_piece, pieces::throwing_add_scaled_piece>;
-using int_all_finite_instead = pieces::backend_replacing<pieces::all_finite_piece, pieces::int_all_finite_piece>;
 /// `backend_without<void>` leaves nothing out: it only adds the view declaration.
 using unsupported_view_instead = pieces::backend_replacing<void, pieces::unsupported_view_piece>;
 

@@ -103,8 +103,8 @@ TEST_CASE_TEMPLATE("16-bit gradients widen exactly, from tensors and from views"
   window.accumulate_sum(params, grads, 7.0);
   for (const char* id : {"owned", "viewed"}) {
     CAPTURE(id);
-    const xt::xarray<double>* pending = window.pending().get<double>(id);
-    REQUIRE(pending != nullptr);
+    const auto pending = window.pending().get<double>(id);
+    REQUIRE(pending.has_value());
     CHECK(std::vector<double>(pending->begin(), pending->end()) == values);
   }
 }
@@ -162,8 +162,8 @@ TEST_CASE("records hold xtensor storage in row-major order and restore into the 
   weighted_gradients_accumulator<B> resumed(float_dtype::f32, 2.0);
   resumed.load_record(params, record);
   for (std::size_t i = 0; i < shapes.size(); ++i) {
-    const xt::xarray<double>* pending = resumed.pending().get<double>("p" + std::to_string(i));
-    REQUIRE(pending != nullptr);
+    const auto pending = resumed.pending().get<double>("p" + std::to_string(i));
+    REQUIRE(pending.has_value());
     CHECK(pending->shape() == shapes[i]);
     CHECK(*pending == counting<double>(shapes[i]));
   }

@@ -25,6 +25,7 @@ namespace demo {
 using backend = gradaccum::eigen_backend;
 using parameters = gradaccum::parameter_set<backend>;
 using gradients = gradaccum::gradients_params<backend>;
+using window_gradients = gradaccum::flat_gradients<backend>;
 
 inline parameters parameter_set_of(const char_mlp<float>& model) {
   parameters params;
@@ -55,12 +56,12 @@ gradients converted_to(const char_mlp<float>& grads) {
 // Reads accumulated gradients (F32 or F64, per the work dtype) back into
 // the model layout.
 template <typename T>
-char_mlp<T> model_gradients(const gradients& grads, const model_shape& shape) {
+char_mlp<T> model_gradients(const window_gradients& grads, const model_shape& shape) {
   char_mlp<T> out = char_mlp<T>::zeros(shape);
   for_each_tensor(out, [&](std::string_view name, matrix<T>& dst) {
-    if (const auto* g = grads.get<float>(name)) {
+    if (const auto g = grads.get<float>(name)) {
       dst = g->cast<T>();
-    } else if (const auto* g64 = grads.get<double>(name)) {
+    } else if (const auto g64 = grads.get<double>(name)) {
       dst = g64->cast<T>();
     } else {
       throw std::runtime_error("accumulated gradients lack '" + std::string(name) + "'");
@@ -164,31 +165,22 @@ struct resume_result {
   std::string mismatch;  // empty when bit-identical
 };
 
-// Same shape and byte-for-byte equal values.
-template <typename T>
-bool same_bits(const backend::tensor<T>& a, const backend::tensor<T>& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() &&
-         std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<std::size_t>(a.size())) == 0;
-}
-
 // The first difference between two sets of accumulated gradients, or an
 // empty string when they hold the same ids with the same bits.
-inline std::string first_mismatch(const gradients& uninterrupted, const gradients& resumed) {
-  if (uninterrupted.size() != resumed.size()) {
-    return "different parameter counts";
+inline std::string first_mismatch(const window_gradients& uninterrupted, const window_gradients& resumed) {
+  if (uninterrupted.size() != resumed.size() || uninterrupted.dtype() != resumed.dtype()) {
+    return "different parameter counts or dtypes";
   }
   for (const auto& entry : uninterrupted) {
-    const std::string& id = entry.id;
-    const bool equal = [&] {
-      if (const auto* a = uninterrupted.get<float>(id)) {
-        const auto* b = resumed.get<float>(id);
-        return b != nullptr && same_bits(*a, *b);
-      }
-      const auto* a = uninterrupted.get<double>(id);
-      const auto* b = resumed.get<double>(id);
-      return a != nullptr && b != nullptr && same_bits(*a, *b);
-    }();
-    if (!equal) {
+    const std::string id(entry.id);
+    const auto same = [&]<class W>() {
+      const std::span<const W> a = uninterrupted.values<W>(id);
+      const std::span<const W> b = resumed.values<W>(id);
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size_bytes()) == 0;
+    };
+    const bool equal = uninterrupted.dtype() == gradaccum::float_dtype::f64 ? same.template operator()<double>()
+                                                                            : same.template operator()<float>();
+    if (!equal || !resumed.contains(id)) {
       return "'" + id + "' differs";
     }
   }
@@ -220,7 +212,7 @@ inline resume_result check_resume(const char_mlp<float>& model, const window& w,
 
   gradaccum::weighted_gradients_accumulator<backend> straight(work_dtype, 1.0);
   accumulate(straight, 0, n);
-  const gradients expected = straight.finish_mean(params).gradients;
+  const window_gradients expected = straight.finish_mean(params).gradients;
 
   // The interrupted window: checkpointed, then destroyed with its scope; only the file remains.
   {

@@ -119,7 +119,7 @@ class gradients_accumulator {
   /// nothing changes on error). Values of 16-bit dtypes are rejected with invalid_dtype, and
   /// so are tensors of two different work dtypes (a window has one).
   void load_record(const parameter_set<B>& params, const gradients_params_record& record) {
-    validate(record);
+    gradaccum::validate(record);
     restorer restored(*this, params);
     for (const tensor_record& t : record.tensors) {
       restored.add(std::string(t.id), t.dtype, detail::record_shape(t), record_values_source{t.values});
