@@ -195,7 +195,8 @@ class gradients_accumulator {
 
     void commit() && noexcept {
       if (layout_) target_->layout_ = layout_;
-      target_->pending_ = flat_gradients<B>(storage_ ? layout_ : nullptr, std::move(storage_));
+      if (!storage_) layout_ = nullptr;
+      target_->pending_ = flat_gradients<B>(std::move(layout_), std::move(storage_));
     }
 
    private:
@@ -221,14 +222,25 @@ class gradients_accumulator {
 
   void add(const parameter_set<B>& params, const gradients_params<B>& grads, double multiplier, float_dtype dtype) {
     // 1. Validate every gradient and resolve its id to a parameter position; nothing is touched.
-    positions_.clear();
-    positions_.reserve(grads.size());
-    std::size_t hint = 0;
-    for (const auto& e : grads) {
-      const std::size_t position = detail::visit_gradient(
-          [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
-      positions_.push_back(position);
-      hint = position + 1;
+    // Gradients bound to `params` were resolved and checked at insert; only owned tensors,
+    // which `get<T>` hands out mutably, are checked again.
+    const bool bound = grads.bound_to(params);
+    if (bound) {
+      for (const auto& e : grads) {
+        if (gradients_params<B>::is_view(e.value)) continue;
+        detail::visit_gradient([&](const auto& value) { detail::check_geometry<B>(params[e.position], e.id, value); },
+                               e.value);
+      }
+    } else {
+      positions_.clear();
+      positions_.reserve(grads.size());
+      std::size_t hint = 0;
+      for (const auto& e : grads) {
+        const std::size_t position = detail::visit_gradient(
+            [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
+        positions_.push_back(position);
+        hint = position + 1;
+      }
     }
     if (grads.empty()) return;
 
@@ -244,7 +256,7 @@ class gradients_accumulator {
     detail::flat_storage& buffer = *pending_.storage_;
     std::size_t k = 0;
     for (const auto& e : grads) {
-      const std::size_t position = positions_[k++];
+      const std::size_t position = bound ? e.position : positions_[k++];
       const flat_segment<B>& s = segments[position];
       detail::visit_work_dtype(dtype, [&]<class W>() {
         const std::span<W> target(buffer.data<W>() + s.offset, s.size);

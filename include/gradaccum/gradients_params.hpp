@@ -110,7 +110,29 @@ class gradients_params {
   struct entry {
     std::string id;
     value_type value;
+    std::size_t position = 0;  ///< the parameter's position, in a container bound to a set
   };
+
+  /// @brief Gradients for any parameter set, resolved by id on every accumulate call.
+  gradients_params() = default;
+
+  /// @brief Gradients bound to `params`: each `insert` resolves its id and checks its shape
+  /// and device there, so an accumulate call with this set resolves and checks nothing for
+  /// views (owned tensors, which `get<T>` can change, are checked again). `params` must outlive
+  /// this container and stay where it is; it may grow.
+  /// @code
+  /// gradaccum::gradients_params<B> grads(params);          // once
+  /// grads.insert("fc.weight", Eigen::Map<const Eigen::MatrixXf>(grad_buffer, 2, 3));
+  /// for (auto& mb : window) { backward(mb); acc.accumulate_mean(params, grads, mb.tokens); }
+  /// @endcode
+  explicit gradients_params(const parameter_set<B>& params) noexcept
+      : params_(&params), params_identity_(params.identity()) {}
+
+  /// @brief Whether ids were resolved against `params` at insert (see the bound constructor).
+  /// The set's identity is compared too: a set created where a destroyed one was is another set.
+  [[nodiscard]] bool bound_to(const parameter_set<B>& params) const noexcept {
+    return params_ == &params && params_identity_ == params.identity();
+  }
 
   /// @brief Stores `value` (a tensor, moved or copied, or a view of caller memory) under `id`,
   /// replacing any previous gradient for `id`. Expressions must be evaluated first.
@@ -118,13 +140,14 @@ class gradients_params {
     requires detail::is_gradient_alternative<B, X>
   void insert(std::string_view id, X&& value) {
     using stored = stored_type<std::remove_cvref_t<X>>;
+    const std::size_t parameter = params_ ? detail::resolve(*params_, id, value, 0) : 0;
     if (const auto position = find(id)) {
       // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
       value_type replacement(std::in_place_type<stored>, std::forward<X>(value));
       entries_[*position].value = std::move(replacement);
       return;
     }
-    entry added{std::string(id), value_type(std::in_place_type<stored>, std::forward<X>(value))};
+    entry added{std::string(id), value_type(std::in_place_type<stored>, std::forward<X>(value)), parameter};
     push_back(std::move(added));
   }
 
@@ -142,6 +165,9 @@ class gradients_params {
   }
 
   /// @brief The gradient under `id` whatever its type; null when absent.
+  /// Whether `value` is a view, whose shape and device stay as inserted.
+  static bool is_view(const value_type& value) noexcept { return value.index() >= B::element_types::size; }
+
   [[nodiscard]] const value_type* find_value(std::string_view id) const noexcept {
     const auto position = find(id);
     return position ? &entries_[*position].value : nullptr;
@@ -346,6 +372,8 @@ class gradients_params {
 
   std::vector<entry> entries_;
   detail::id_index index_;
+  const parameter_set<B>* params_ = nullptr;  // the set ids are resolved against at insert, if any
+  std::uint64_t params_identity_ = 0;
 };
 
 }  // namespace gradaccum
