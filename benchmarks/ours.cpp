@@ -112,7 +112,8 @@ void accumulate_case_body(benchmark::State& state, accumulate_case c) {
   state.counters["bytes"] = accumulate_bytes<W, In>(n);
 }
 
-/// `count` parameters of `elements` floats, each gradient its own allocation, viewed in place.
+/// `count` parameters of `elements` floats, each gradient its own allocation, viewed in place;
+/// the gradients container bound to the parameter set (ids resolved at insert) or not.
 template <class B>
 struct small_model {
   gradaccum::parameter_set<B> params;
@@ -120,7 +121,9 @@ struct small_model {
   gradaccum::gradients_params<B> grads;
   std::size_t elements;
 
-  explicit small_model(const many_small_case& c) : elements(c.elements) {
+  small_model(const many_small_case& c, bool bound)
+      : grads(bound ? gradaccum::gradients_params<B>(params) : gradaccum::gradients_params<B>()),
+        elements(c.elements) {
     const float* source = pool().gradient<float>(c.count * c.elements);
     storage.reserve(c.count);
     for (std::size_t i = 0; i < c.count; ++i) {
@@ -142,8 +145,8 @@ struct small_model {
 enum class refill { none, reinsert, rebuild };
 
 template <class B>
-void many_small_body(benchmark::State& state, many_small_case c, refill before_call) {
-  small_model<B> model(c);
+void many_small_body(benchmark::State& state, many_small_case c, refill before_call, bool bound = false) {
+  small_model<B> model(c, bound);
   gradaccum::weighted_gradients_accumulator<B> acc(gradaccum::float_dtype::f32, 1.0);
   acc.accumulate_sum(model.params, model.grads, 1.0);
   {
@@ -156,6 +159,9 @@ void many_small_body(benchmark::State& state, many_small_case c, refill before_c
     }
   }
   state.counters["bytes"] = static_cast<double>(c.count * c.elements * 3 * sizeof(float));
+  // Pending memory: one F32 copy of the parameters' elements plus the segments' padding.
+  state.counters["pending_bytes"] = static_cast<double>(acc.pending().layout()->elements() * sizeof(float));
+  state.counters["parameter_bytes"] = static_cast<double>(c.count * c.elements * sizeof(float));
 }
 
 template <class B, class W>
@@ -207,6 +213,7 @@ void register_ours_many_small(const many_small_case& c) {
   for_each_backend([&]<class B>() {
     const std::string name = c.name() + "/" + backend_of<B>::name;
     add(name, c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::none); });
+    add(name + "_bound", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::none, true); });
     add(name + "_reinsert", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::reinsert); });
     add(name + "_rebuild", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::rebuild); });
   });

@@ -1,5 +1,5 @@
 /// @file
-/// @brief The contract of DESIGN.md's semantics section, written once and run against every
+/// @brief The accumulation contract, written once and run against every
 /// backend in `GRADACCUM_TEST_BACKENDS`.
 ///
 /// Values are chosen so that the arithmetic is exact (small integers, powers of two) wherever
@@ -727,16 +727,22 @@ TEST_CASE_TEMPLATE("gradients_accumulator sums in a work dtype", B, GRADACCUM_TE
   const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}, {"h", {1, 2}}});
   gradients_accumulator<B> acc;
 
-  SUBCASE("new pending tensors are F64 for F64 gradients, F32 otherwise") {
-    acc.accumulate(params, gradient<B, double>("a", shape_a, multiples(shape_a, 1)));
+  SUBCASE("a window is F32 until an F64 gradient arrives, then F64 for every parameter") {
     acc.accumulate(params, gradient<B, float>("b", shape_b, multiples(shape_b, 1)));
     for_each_16bit_type<B>([&]<class T>() { acc.accumulate(params, gradient<B, T>("h", {1, 2}, {1, 2})); });
-    CHECK(acc.pending().dtype("a") == std::optional(float_dtype::f64));
+    CHECK(acc.pending().dtype() == float_dtype::f32);  // 16-bit gradients are summed in F32
     CHECK(acc.pending().dtype("b") == std::optional(float_dtype::f32));
     if (acc.pending().contains("h")) {
-      CHECK(acc.pending().dtype("h") == std::optional(float_dtype::f32));
       CHECK(values_of<float>(acc.pending(), "h") == std::vector<float>{2, 4});  // F16 + BF16
     }
+    const auto before = acc.try_to_record();
+    acc.accumulate(params, gradient<B, double>("a", shape_a, multiples(shape_a, 1)));
+    // The F32 sums are widened exactly: the same values, now F64.
+    CHECK(acc.pending().dtype() == float_dtype::f64);
+    CHECK(acc.pending().dtype("b") == std::optional(float_dtype::f64));
+    CHECK(values_of<double>(acc.pending(), "b") == multiples(shape_b, 1));
+    if (acc.pending().contains("h")) CHECK(values_of<double>(acc.pending(), "h") == std::vector<double>{2, 4});
+    CHECK(acc.pending().size() == before.tensors.size() + 1);
     const auto taken = acc.grads();
     CHECK(acc.pending().empty());
     CHECK(values_of<double>(taken, "a") == multiples(shape_a, 1));
