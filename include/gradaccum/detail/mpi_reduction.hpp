@@ -23,7 +23,6 @@
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/flat_gradients.hpp"
-#include "gradaccum/kernels.hpp"
 #include "gradaccum/parameter_set.hpp"
 #include "gradaccum/records.hpp"
 #include "gradaccum/weighted_gradients_accumulator.hpp"
@@ -204,6 +203,18 @@ W exact_reciprocal(W d) noexcept {
   return reciprocal * d == W(1) ? reciprocal : W(0);
 }
 
+/// `x[i] = op(x[i])`, in blocks of a fixed count so that GCC's -O2 (whose cost model only
+/// vectorizes loops that need no remainder loop) vectorizes it too.
+template <class W, class Op>
+void for_each_value(W* x, std::size_t count, Op op) noexcept {
+  constexpr std::size_t block = 64;
+  std::size_t i = 0;
+  for (; i + block <= count; i += block) {
+    for (std::size_t j = 0; j < block; ++j) x[i + j] = op(x[i + j]);
+  }
+  for (; i < count; ++i) x[i] = op(x[i]);
+}
+
 /// `x[i] = (x[i] / s) / w` with the bits of `kernels::divide` (`finish_mean`'s). Dividing by a
 /// power of two is multiplying by its exact reciprocal: both round the same real number, so a
 /// loss scale that is one (as dynamic loss scaling keeps it) costs a multiplication instead of
@@ -213,13 +224,13 @@ void normalize(W* x, std::size_t count, W s, W w) noexcept {
   const W s_reciprocal = exact_reciprocal(s);
   const W w_reciprocal = exact_reciprocal(w);
   if (s_reciprocal != 0 && w_reciprocal != 0) {
-    for (std::size_t i = 0; i < count; ++i) x[i] = x[i] * s_reciprocal * w_reciprocal;
+    for_each_value(x, count, [=](W v) { return v * s_reciprocal * w_reciprocal; });
   } else if (s_reciprocal != 0) {
-    for (std::size_t i = 0; i < count; ++i) x[i] = x[i] * s_reciprocal / w;
+    for_each_value(x, count, [=](W v) { return v * s_reciprocal / w; });
   } else if (w_reciprocal != 0) {
-    for (std::size_t i = 0; i < count; ++i) x[i] = x[i] / s * w_reciprocal;
+    for_each_value(x, count, [=](W v) { return v / s * w_reciprocal; });
   } else {
-    kernels::divide(x, count, s, w);
+    for_each_value(x, count, [=](W v) { return v / s / w; });
   }
 }
 
