@@ -197,8 +197,9 @@ class ratio_reporter : public benchmark::ConsoleReporter {
 
   void Finalize() override {
     ConsoleReporter::Finalize();
-    std::printf("\nmedian time / peer's median time (targets: ours_eigen <= 1.05 x mpi_raw for 1x16777216, <= 1.15 x "
-                "for 10000x64)\n");
+    std::printf(
+        "\nmedian time / peer's median time (targets: ours_eigen <= 1.05 x mpi_raw for 1x16777216, <= 1.15 x "
+        "for 10000x64)\n");
     for (const layout& shape : layouts()) {
       const std::string bytes = "/" + std::to_string(shape.bytes());
       for (const auto& [ours, peer] :

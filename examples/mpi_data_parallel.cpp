@@ -131,7 +131,8 @@ accumulator accumulate_window(const demo::char_mlp<float>& model, const paramete
 demo::char_mlp<double> mean_of_rank_means(accumulator local, const parameters& params) {
   accumulator rank_means(float_dtype::f32, 1.0);
   if (local.state().total_weight > 0) {
-    const demo::char_mlp<float> own_mean = model_gradients<float>(local.finish_mean(params).gradients, demo::model_shape{});
+    const demo::char_mlp<float> own_mean =
+        model_gradients<float>(local.finish_mean(params).gradients, demo::model_shape{});
     rank_means.accumulate_mean(params, views_of(own_mean), 1.0);
   }
   const auto averaged = gradaccum::allreduce_mean(params, rank_means.finish_sums(), MPI_COMM_WORLD);
@@ -176,7 +177,8 @@ int run(int argc, char** argv, const rank_info& me) {
     std::vector<unsigned long> tokens_per_rank(static_cast<std::size_t>(me.size));
     MPI_Gather(&my_tokens, 1, MPI_UNSIGNED_LONG, tokens_per_rank.data(), 1, MPI_UNSIGNED_LONG, 0, MPI_COMM_WORLD);
     if (me.rank == 0) {
-      const auto reference = model_gradients<double>(accumulate_window(model, params, w, 0, 1).finish_mean(params).gradients, shape);
+      const auto reference =
+          model_gradients<double>(accumulate_window(model, params, w, 0, 1).finish_mean(params).gradients, shape);
       const double match = relative_error(data_parallel.cast<double>(), reference);
       const double off = relative_error(naive, reference);
       worst_match = std::max(worst_match, match);

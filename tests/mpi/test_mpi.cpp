@@ -367,10 +367,12 @@ TEST_CASE_TEMPLATE("buckets ending inside segments and in padding give exact val
         std::vector<double> values(*specs[k].shape.checked_element_count());
         for (std::size_t i = 0; i < values.size(); ++i) values[i] = (world_rank + 1.0) * (100.0 * k + i + 1.0);
         if (dtype == float_dtype::f64) {
-          grads.insert(specs[k].id, B::template from_row_major<double>(std::span<const double>(values), specs[k].shape, {}));
+          grads.insert(specs[k].id,
+                       B::template from_row_major<double>(std::span<const double>(values), specs[k].shape, {}));
         } else {
           const std::vector<float> narrow(values.begin(), values.end());
-          grads.insert(specs[k].id, B::template from_row_major<float>(std::span<const float>(narrow), specs[k].shape, {}));
+          grads.insert(specs[k].id,
+                       B::template from_row_major<float>(std::span<const float>(narrow), specs[k].shape, {}));
         }
       }
       gradaccum::weighted_gradients_accumulator<B> window(dtype, 2.0);
@@ -429,7 +431,8 @@ TEST_CASE("normalize has kernels::divide's bits, with and without power-of-two d
       std::size_t differing = 0;
       for (std::size_t i = 0; i < patterns.size(); ++i) {
         const bool both_nan = std::isnan(fast[i]) && std::isnan(reference[i]);
-        differing += both_nan || std::bit_cast<std::uint32_t>(fast[i]) == std::bit_cast<std::uint32_t>(reference[i]) ? 0 : 1;
+        differing +=
+            both_nan || std::bit_cast<std::uint32_t>(fast[i]) == std::bit_cast<std::uint32_t>(reference[i]) ? 0 : 1;
       }
       CHECK(differing == 0);
       std::vector<double> fast64(patterns.size());
@@ -442,7 +445,8 @@ TEST_CASE("normalize has kernels::divide's bits, with and without power-of-two d
       differing = 0;
       for (std::size_t i = 0; i < patterns.size(); ++i) {
         const bool both_nan = std::isnan(fast64[i]) && std::isnan(reference64[i]);
-        differing += both_nan || std::bit_cast<std::uint64_t>(fast64[i]) == std::bit_cast<std::uint64_t>(reference64[i]) ? 0 : 1;
+        differing +=
+            both_nan || std::bit_cast<std::uint64_t>(fast64[i]) == std::bit_cast<std::uint64_t>(reference64[i]) ? 0 : 1;
       }
       CHECK(differing == 0);
     }

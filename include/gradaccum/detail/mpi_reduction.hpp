@@ -262,13 +262,12 @@ struct local_window {
     }
     if (!g.empty() && g.dtype() != sums.state.dtype) {
       fail(errc::invalid_state, "the pending sums are of dtype " + std::string(to_string(g.dtype())) +
-                                    " but the state's work dtype is " + std::string(to_string(sums.state.dtype)) +
-                                    ".");
+                                    " but the state's work dtype is " + std::string(to_string(sums.state.dtype)) + ".");
     }
     const auto& own_layout = flat_access::layout(g);
     const auto& own_storage = flat_access::storage(g);
-    layout = own_layout && own_layout->laid_out_for(params) ? own_layout
-                                                             : std::make_shared<const flat_layout<B>>(params);
+    layout =
+        own_layout && own_layout->laid_out_for(params) ? own_layout : std::make_shared<const flat_layout<B>>(params);
     if (own_storage && layout == own_layout && own_storage->dtype == sums.state.dtype) {
       storage = own_storage;
     } else {
@@ -324,10 +323,9 @@ inline void check_agreement(const agreement& agreed) {
                                   "); nothing was reduced.");
   }
   if (!agreed.loss_scale.agreed()) {
-    fail(errc::invalid_state, "ranks used different loss scales (" +
-                                  number_text(std::bit_cast<double>(agreed.loss_scale.min())) + " and " +
-                                  number_text(std::bit_cast<double>(agreed.loss_scale.max)) +
-                                  "); nothing was reduced.");
+    fail(errc::invalid_state,
+         "ranks used different loss scales (" + number_text(std::bit_cast<double>(agreed.loss_scale.min())) + " and " +
+             number_text(std::bit_cast<double>(agreed.loss_scale.max)) + "); nothing was reduced.");
   }
   const auto dtype = static_cast<float_dtype>(agreed.dtype.max);
   if (agreed.microbatches == std::numeric_limits<std::uint64_t>::max()) {
