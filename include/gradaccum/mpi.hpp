@@ -99,8 +99,8 @@ class allreduce_mean_request {
 
   allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm);
 
-  /// Normalizes the buckets whose sums have arrived; waits for at least one with `block`.
-  void complete_some(bool block);
+  /// Normalizes bucket `k`, whose sum has arrived.
+  void normalize_bucket(std::size_t k) noexcept;
   void complete_quietly() noexcept;
 
   detail::mpi::agreed_window<B> window_;
@@ -188,43 +188,42 @@ allreduce_mean_request<B>::~allreduce_mean_request() {
 
 template <class B>
 bool allreduce_mean_request<B>::test() {
-  if (in_flight_ != 0) complete_some(false);
+  if (in_flight_ == 0) return true;
+  int count = 0;
+  const int size = static_cast<int>(requests_.size());
+  // The analyzer's MPI checker cannot follow the requests into the vector they were started in.
+  // NOLINTNEXTLINE(clang-analyzer-optin.mpi.MPI-Checker)
+  detail::mpi::check(MPI_Testsome(size, requests_.data(), &count, completed_.data(), MPI_STATUSES_IGNORE),
+                     "MPI_Testsome");
+  if (count == MPI_UNDEFINED) count = 0;
+  for (int k = 0; k < count; ++k) normalize_bucket(static_cast<std::size_t>(completed_[static_cast<std::size_t>(k)]));
   return in_flight_ == 0;
 }
 
 template <class B>
 accumulated_gradients<B> allreduce_mean_request<B>::wait() {
   if (taken_) detail::fail(errc::invalid_state, "this reduction's result was already taken.");
-  while (in_flight_ != 0) complete_some(true);
+  // In order: buckets complete about in the order they started, and MPI_Wait progresses the
+  // later ones too.
+  for (std::size_t k = 0; k < requests_.size() && in_flight_ != 0; ++k) {
+    if (requests_[k] == MPI_REQUEST_NULL) continue;  // completed in test()
+    // NOLINTNEXTLINE(clang-analyzer-optin.mpi.MPI-Checker): see test()
+    detail::mpi::check(MPI_Wait(&requests_[k], MPI_STATUS_IGNORE), "MPI_Wait");
+    normalize_bucket(k);
+  }
   taken_ = true;
   return {std::move(window_.gradients), window_.state};
 }
 
 template <class B>
-void allreduce_mean_request<B>::complete_some(bool block) {
-  int count = 0;
-  const int size = static_cast<int>(requests_.size());
-  // The analyzer's MPI checker cannot follow the requests into the vector they were started in.
-  // NOLINTBEGIN(clang-analyzer-optin.mpi.MPI-Checker)
-  if (block) {
-    detail::mpi::check(MPI_Waitsome(size, requests_.data(), &count, completed_.data(), MPI_STATUSES_IGNORE),
-                       "MPI_Waitsome");
-  } else {
-    detail::mpi::check(MPI_Testsome(size, requests_.data(), &count, completed_.data(), MPI_STATUSES_IGNORE),
-                       "MPI_Testsome");
-  }
-  // NOLINTEND(clang-analyzer-optin.mpi.MPI-Checker)
-  if (count == MPI_UNDEFINED) count = 0;
+void allreduce_mean_request<B>::normalize_bucket(std::size_t k) noexcept {
   detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
-    W* const values = window_.gradients.template flat<W>().data();
-    for (int k = 0; k < count; ++k) {
-      const std::size_t at = window_.begin + static_cast<std::size_t>(completed_[static_cast<std::size_t>(k)]) *
-                                                 detail::mpi::bucket_elements<W>;
-      detail::mpi::normalize(values + at, std::min(detail::mpi::bucket_elements<W>, window_.end - at),
-                             static_cast<W>(window_.state.loss_scale), static_cast<W>(window_.state.total_weight));
-    }
+    const std::size_t at = window_.begin + k * detail::mpi::bucket_elements<W>;
+    detail::mpi::normalize(window_.gradients.template flat<W>().data() + at,
+                           std::min(detail::mpi::bucket_elements<W>, window_.end - at),
+                           static_cast<W>(window_.state.loss_scale), static_cast<W>(window_.state.total_weight));
   });
-  in_flight_ -= static_cast<std::size_t>(count);
+  --in_flight_;
 }
 
 template <class B>
