@@ -33,8 +33,8 @@ namespace gradaccum {
 /// parameter named only in zero-weight microbatches is not); present on any rank, it is reduced
 /// (ranks without it contribute zeros), present on none, it stays absent. The result is rounded
 /// at each step as `finish_mean` rounds: when the sums across ranks are exact, it is bit for bit
-/// what one process accumulating every rank's microbatches gets, and every rank gets the same
-/// bits.
+/// what one process accumulating every rank's microbatches gets; every rank normalizes the same
+/// sums, so every rank gets the same bits (see the implementation notes below).
 ///
 /// @throws error(errc::invalid_state) when ranks disagree on the work dtype or the loss scale, or
 /// when a rank's sums are malformed; error(errc::parameter_mismatch) when ranks pass different
@@ -116,12 +116,11 @@ class allreduce_mean_request {
 // The values are summed by `MPI_Allreduce` (`MPI_Iallreduce` for the request) in place over the
 // window buffer, in buckets of at most `GRADACCUM_MPI_BUCKET_BYTES`, each normalized once its
 // sum has arrived. Measured on 2 local ranks of Open MPI 4.1 it beat `MPI_Reduce_scatter_block`,
-// normalize this rank's 1/N, `MPI_Allgather` (its reduce-scatter runs a linear reduce and
-// scatter there, no ring), although that divides only 1/N per rank; see README "Going
-// multi-process". Every rank then normalizes the same sums with the same arithmetic, so it gets
-// the same bits as long as MPI hands every rank the same sums, which the reduction algorithms of
-// Open MPI and MPICH do for a commutative operation (each sum is formed once and sent, or formed
-// by both partners of an exchange as a + b and b + a, which round alike).
+// normalize this rank's 1/N, `MPI_Allgather`, although that divides only 1/N per rank (see
+// README "Going multi-process" and benchmarks/bench_mpi.cpp's `mpi_rsb_ag`). Every rank then normalizes the same sums
+// with the same arithmetic, so it gets the same bits as long as MPI hands every rank the same sums, which the reduction
+// algorithms of Open MPI and MPICH do for a commutative operation (each sum is formed once and sent, or formed by both
+// partners of an exchange as a + b and b + a, which round alike).
 //
 // Only collectives on the caller's communicator are used, no point-to-point messages, so no
 // duplicate communicator is needed: MPI keeps collective traffic apart from point-to-point
