@@ -350,8 +350,10 @@ TEST_CASE_TEMPLATE("buckets ending inside segments and in padding give exact val
   INFO("rank " << world_rank << " of " << world_size);
   INFO("bucket of " << gradaccum::detail::mpi::bucket_elements<float> << " floats, "
                     << gradaccum::detail::mpi::bucket_elements<double> << " doubles");
-  // Segments of 3, 17 and 10 elements (padded to 16, 32 and 16): 3 + 13 + 17 + 15 + 10 + 6
-  // values and zeros; "skipped" (present nowhere) lies between, "absent" after them.
+  // Segments of 3, 17, 4 and 10 elements padded to 16, 32, 16 and 16: "skipped" (present nowhere)
+  // lies between the reduced ones, "absent" after them. With small buckets (11 floats, 5 doubles)
+  // the reduced range, 74 elements, ends with a bucket of 8 floats or 4 doubles: not a multiple
+  // of 3 ranks, and cut inside "c".
   const std::vector<parameter_spec> specs{
       {"a", {3, 1}}, {"b", {17, 1}}, {"skipped", {4, 1}}, {"c", {5, 2}}, {"absent", {2, 1}}};
   const auto params = parameters<B>(specs);
