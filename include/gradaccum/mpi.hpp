@@ -96,8 +96,13 @@ class allreduce_mean_request {
   template <class B2>
   friend allreduce_mean_request<B2> start_allreduce_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&,
                                                          MPI_Comm);
+  template <class B2>
+  friend accumulated_gradients<B2> allreduce_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&, MPI_Comm);
 
-  allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm);
+  /// Agrees and starts the collectives; with `block_single_bucket`, a window of one bucket is
+  /// reduced right here by the blocking `MPI_Allreduce` instead (for `allreduce_mean`).
+  allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm,
+                         bool block_single_bucket);
 
   /// Normalizes bucket `k`, whose sum has arrived.
   void normalize_bucket(std::size_t k) noexcept;
@@ -113,14 +118,20 @@ class allreduce_mean_request {
 // ---------------------------------------------------------------------------------------------
 // Implementation.
 //
-// The values are summed by `MPI_Allreduce` (`MPI_Iallreduce` for the request) in place over the
-// window buffer, in buckets of at most `GRADACCUM_MPI_BUCKET_BYTES`, each normalized once its
-// sum has arrived. Measured on 2 local ranks of Open MPI 4.1 it beat `MPI_Reduce_scatter_block`,
-// normalize this rank's 1/N, `MPI_Allgather`, although that divides only 1/N per rank (see
-// README "Going multi-process" and benchmarks/bench_mpi.cpp's `mpi_rsb_ag`). Every rank then normalizes the same sums
-// with the same arithmetic, so it gets the same bits as long as MPI hands every rank the same sums, which the reduction
-// algorithms of Open MPI and MPICH do for a commutative operation (each sum is formed once and sent, or formed by both
-// partners of an exchange as a + b and b + a, which round alike).
+// The values are summed in place over the window buffer in buckets of at most
+// `GRADACCUM_MPI_BUCKET_BYTES`, each normalized once its sum has arrived: one `MPI_Iallreduce`
+// per bucket, all in flight together; a window of one bucket in `allreduce_mean` by one blocking
+// `MPI_Allreduce`. Measured on 2 local ranks of Open MPI 4.1 (see README "Going multi-process"
+// and benchmarks/bench_mpi.cpp, on a loaded machine), a 64 MiB window's 16 buckets in flight
+// together took 0.74-1.11 times one raw blocking `MPI_Allreduce` of it in three runs, where
+// blocking buckets one after another took 0.49-1.79 times; a 2.4 MiB window by the blocking
+// `MPI_Allreduce` took 0.25-0.96 times as long as by one `MPI_Iallreduce`; and
+// `MPI_Reduce_scatter_block`, normalize this rank's 1/N, `MPI_Allgather` was slower than a raw
+// `MPI_Allreduce` in every run (1.25-3.5 times), although it divides only 1/N per rank. Every rank
+// normalizes the same sums with the same arithmetic, so it gets the same bits as long as MPI
+// hands every rank the same sums, which the reduction algorithms of Open MPI and MPICH do for a
+// commutative operation (each sum is formed once and sent, or formed by both partners of an
+// exchange as a + b and b + a, which round alike).
 //
 // Only collectives on the caller's communicator are used, no point-to-point messages, so no
 // duplicate communicator is needed: MPI keeps collective traffic apart from point-to-point
@@ -133,7 +144,7 @@ class allreduce_mean_request {
 
 template <class B>
 allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums,
-                                                  MPI_Comm comm) {
+                                                  MPI_Comm comm, bool block_single_bucket) {
   window_ = detail::mpi::agree(params, sums, comm, [&](std::size_t elements) {
     const std::size_t bucket = sums.state.dtype == float_dtype::f64 ? detail::mpi::bucket_elements<double>
                                                                     : detail::mpi::bucket_elements<float>;
@@ -144,6 +155,11 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
   try {
     detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
       W* const values = window_.gradients.template flat<W>().data();
+      if (block_single_bucket && window_.end - window_.begin <= detail::mpi::bucket_elements<W>) {
+        detail::mpi::reduce(values, window_.begin, window_.end, static_cast<W>(window_.state.loss_scale),
+                            static_cast<W>(window_.state.total_weight), comm);
+        return;
+      }
       for (std::size_t at = window_.begin; at < window_.end; at += detail::mpi::bucket_elements<W>) {
         const std::size_t count = std::min(detail::mpi::bucket_elements<W>, window_.end - at);
         MPI_Request& request = requests_.emplace_back(MPI_REQUEST_NULL);  // reserved: cannot throw
@@ -238,18 +254,13 @@ void allreduce_mean_request<B>::complete_quietly() noexcept {
 template <class B>
 allreduce_mean_request<B> start_allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
                                                MPI_Comm comm) {
-  return allreduce_mean_request<B>(params, sums, comm);
+  return allreduce_mean_request<B>(params, sums, comm, false);
 }
 
 template <class B>
 accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
                                         MPI_Comm comm) {
-  detail::mpi::agreed_window<B> window = detail::mpi::agree(params, sums, comm, [](std::size_t) {});
-  detail::visit_work_dtype(window.state.dtype, [&]<class W>() {
-    detail::mpi::reduce(window.gradients.template flat<W>().data(), window.begin, window.end,
-                        static_cast<W>(window.state.loss_scale), static_cast<W>(window.state.total_weight), comm);
-  });
-  return {std::move(window.gradients), window.state};
+  return allreduce_mean_request<B>(params, sums, comm, true).wait();
 }
 
 }  // namespace gradaccum

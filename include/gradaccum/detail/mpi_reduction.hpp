@@ -416,15 +416,12 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   return window;
 }
 
-/// Sums [begin, end) of `values` over `comm` in place and normalizes it, bucket by bucket.
+/// Sums [begin, end) of `values`, at most one bucket, over `comm` in place and normalizes it.
 template <class W>
 void reduce(W* values, std::size_t begin, std::size_t end, W scale, W weight, MPI_Comm comm) {
-  for (std::size_t at = begin; at < end; at += bucket_elements<W>) {
-    const std::size_t count = std::min(bucket_elements<W>, end - at);
-    check(MPI_Allreduce(MPI_IN_PLACE, values + at, static_cast<int>(count), datatype<W>(), MPI_SUM, comm),
-          "MPI_Allreduce");
-    normalize(values + at, count, scale, weight);
-  }
+  check(MPI_Allreduce(MPI_IN_PLACE, values + begin, static_cast<int>(end - begin), datatype<W>(), MPI_SUM, comm),
+        "MPI_Allreduce");
+  normalize(values + begin, end - begin, scale, weight);
 }
 
 }  // namespace gradaccum::detail::mpi
