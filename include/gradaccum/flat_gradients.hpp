@@ -165,6 +165,11 @@ struct flat_storage {
   }
 };
 
+/// Library code that fills or reduces a buffer in place, outside the accumulator (the MPI
+/// reduction, `<gradaccum/mpi.hpp>`), reaches a `flat_gradients`' layout and storage here, and
+/// makes one of both; defined after `flat_gradients`.
+struct flat_access;
+
 }  // namespace detail
 
 /// @brief Gradients of one window in a contiguous buffer (see the file comment). Pending sums
@@ -346,6 +351,7 @@ class flat_gradients {
  private:
   template <class>
   friend class gradients_accumulator;
+  friend struct detail::flat_access;
 
   flat_gradients(std::shared_ptr<const flat_layout<B>> layout, std::shared_ptr<detail::flat_storage> storage) noexcept
       : layout_(std::move(layout)), storage_(std::move(storage)) {}
@@ -374,4 +380,24 @@ class flat_gradients {
   std::shared_ptr<detail::flat_storage> storage_;
 };
 
+namespace detail {
+
+struct flat_access {
+  template <class B>
+  [[nodiscard]] static const std::shared_ptr<const flat_layout<B>>& layout(const flat_gradients<B>& g) noexcept {
+    return g.layout_;
+  }
+  template <class B>
+  [[nodiscard]] static const std::shared_ptr<flat_storage>& storage(const flat_gradients<B>& g) noexcept {
+    return g.storage_;
+  }
+  /// `storage` must have been allocated for `layout` (its element and segment counts).
+  template <class B>
+  [[nodiscard]] static flat_gradients<B> make(std::shared_ptr<const flat_layout<B>> layout,
+                                              std::shared_ptr<flat_storage> storage) noexcept {
+    return {std::move(layout), std::move(storage)};
+  }
+};
+
+}  // namespace detail
 }  // namespace gradaccum

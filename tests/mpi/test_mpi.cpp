@@ -5,11 +5,15 @@
 ///
 /// Values are small integers and the loss scale a power of two, so every sum is exact in any
 /// order and the comparison with the single-process run can be bitwise. Tests only CHECK (never
-/// REQUIRE), so no rank leaves a test case early and skips a collective its peers are in.
+/// REQUIRE), so no rank leaves a test case early and skips a collective its peers are in. Built
+/// twice: with the default bucket size, and with buckets of a few elements
+/// (test_mpi_small_buckets), where buckets end inside segments and in their padding.
 
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <utility>
@@ -49,19 +53,13 @@ int world_size = 1;
 #else
 #define XTENSOR_BACKENDS
 #endif
-// Eigen and xtensor expose their memory (`host_memory_backend`): large tensors are reduced in
-// place and small ones packed with plain copies. The test-only backend does not: its values
-// travel through to_row_major / from_row_major.
-static_assert(!gradaccum::host_memory_backend<gradaccum::test::vector_backend>);
-static_assert(gradaccum::mpi_reducible_backend<gradaccum::test::vector_backend>);
-
 struct parameter_spec {
   std::string id;
   gradaccum::tensor_shape shape;
 };
 
-/// Every shape has rank 2, as Eigen matrices do. "big" holds 20480 elements, more than one message piece in F32 and
-/// F64 when pieces are small (test_mpi_small_pieces); "solo" receives a gradient on one rank only; "unused" on none.
+/// Every shape has rank 2, as Eigen matrices do. "big" holds 20480 elements, many buckets when buckets are small
+/// (test_mpi_small_buckets); "solo" receives a gradient on one rank only; "unused" on none.
 const std::vector<parameter_spec>& model() {
   static const std::vector<parameter_spec> specs{
       {"embed", {4, 3}},   {"fc.weight", {3, 5}}, {"fc.bias", {5, 1}},
@@ -254,12 +252,21 @@ TEST_CASE_TEMPLATE("start_allreduce_mean overlaps other work and gives the same 
   const auto expected = single_process_mean(params, float_dtype::f64);  // the overlapped work
   while (!request.test()) {
   }
+  CHECK(request.test());  // finished stays finished
   auto moved = std::move(request);
+  CHECK(moved.test());
   const auto mean = moved.wait();
   GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(expected));
+  CHECK(moved.test());  // nothing left in flight
   GRADACCUM_CHECK_REJECTED(moved.wait(), errc::invalid_state, "");
   // A moved-from request has no result to give: wait() must say so, not crash.
+  CHECK(request.test());                                              // NOLINT(bugprone-use-after-move)
   GRADACCUM_CHECK_REJECTED(request.wait(), errc::invalid_state, "");  // NOLINT(bugprone-use-after-move)
+
+  {  // waited without a test() first
+    auto direct = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+    GRADACCUM_CHECK_SAME_BITS(record_of(direct.wait()), record_of(single_process_mean(params, float_dtype::f32)));
+  }
 
   {  // dropped without waiting: the destructor waits, and the ranks stay in step
     auto dropped = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
@@ -276,7 +283,14 @@ TEST_CASE_TEMPLATE("reductions in flight together and the caller's own messages 
   MPI_Request caller = MPI_REQUEST_NULL;
   MPI_Irecv(&received, 1, MPI_INT, MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &caller);
   auto first = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+  // The caller's own collective on the same communicator while both are in flight, with test()
+  // called on some ranks only: every collective of a request starts in start_allreduce_mean.
+  if (world_rank == 0) static_cast<void>(first.test());
+  int ranks = 1;
+  MPI_Allreduce(MPI_IN_PLACE, &ranks, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  CHECK(ranks == world_size);
   auto second = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD);
+  if (world_rank == world_size - 1) static_cast<void>(second.test());
   const auto second_mean = second.wait();  // taken in the other order than started
   const auto first_mean = first.wait();
   GRADACCUM_CHECK_SAME_BITS(record_of(first_mean), record_of(single_process_mean(params, float_dtype::f32)));
@@ -315,6 +329,130 @@ TEST_CASE_TEMPLATE("every rank gets the same bits when the sums round", B, BACKE
   MPI_Allreduce(MPI_IN_PLACE, &highest, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
   CHECK(lowest == highest);
   CHECK(mean.gradients.size() == model().size());
+}
+
+TEST_CASE_TEMPLATE("a parameter named only in zero-weight microbatches is absent", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, loss_scale);
+  window.accumulate_sum(params, gradients_of<B>(2, float_dtype::f32), 12.0);  // fc.weight, big
+  window.accumulate_sum(params, gradients_of<B>(3, float_dtype::f32), 0.0);   // embed, fc.bias
+  const auto mean = gradaccum::allreduce_mean(params, window.finish_sums(), MPI_COMM_WORLD);
+  CHECK(mean.gradients.size() == 2);
+  CHECK(mean.gradients.contains("fc.weight"));
+  CHECK(mean.gradients.contains("big"));
+  CHECK_FALSE(mean.gradients.contains("embed"));
+  CHECK_FALSE(mean.gradients.contains("fc.bias"));
+  CHECK(mean.state.microbatches == 2 * static_cast<std::uint64_t>(world_size));
+}
+
+TEST_CASE_TEMPLATE("buckets ending inside segments and in padding give exact values", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  INFO("bucket of " << gradaccum::detail::mpi::bucket_elements<float> << " floats, "
+                    << gradaccum::detail::mpi::bucket_elements<double> << " doubles");
+  // Segments of 3, 17, 4 and 10 elements padded to 16, 32, 16 and 16: "skipped" (present nowhere)
+  // lies between the reduced ones, "absent" after them. With small buckets (11 floats, 5 doubles)
+  // the reduced range, 74 elements, ends with a bucket of 8 floats or 4 doubles: not a multiple
+  // of 3 ranks, and cut inside "c".
+  const std::vector<parameter_spec> specs{
+      {"a", {3, 1}}, {"b", {17, 1}}, {"skipped", {4, 1}}, {"c", {5, 2}}, {"absent", {2, 1}}};
+  const auto params = parameters<B>(specs);
+  const std::vector<std::size_t> reduced{0, 1, 3};
+  for (const float_dtype dtype : {float_dtype::f32, float_dtype::f64}) {
+    INFO("work dtype " << dtype);
+    for (const bool blocking : {true, false}) {
+      INFO((blocking ? "allreduce_mean" : "start_allreduce_mean"));
+      // Rank r sends (r + 1) · v with v = 100 · parameter + element + 1 and weight 1: the sum over
+      // N ranks, v · N (N + 1) / 2, is exact, and so is its comparison with the contract's steps.
+      gradaccum::gradients_params<B> grads;
+      for (const std::size_t k : reduced) {
+        std::vector<double> values(*specs[k].shape.checked_element_count());
+        for (std::size_t i = 0; i < values.size(); ++i) values[i] = (world_rank + 1.0) * (100.0 * k + i + 1.0);
+        if (dtype == float_dtype::f64) {
+          grads.insert(specs[k].id,
+                       B::template from_row_major<double>(std::span<const double>(values), specs[k].shape, {}));
+        } else {
+          const std::vector<float> narrow(values.begin(), values.end());
+          grads.insert(specs[k].id,
+                       B::template from_row_major<float>(std::span<const float>(narrow), specs[k].shape, {}));
+        }
+      }
+      gradaccum::weighted_gradients_accumulator<B> window(dtype, 2.0);
+      window.accumulate_sum(params, grads, 1.0);
+      auto sums = window.finish_sums();
+      const auto mean = blocking ? gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD)
+                                 : gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).wait();
+      CHECK(mean.gradients.size() == reduced.size());
+      CHECK_FALSE(mean.gradients.contains("skipped"));
+      CHECK_FALSE(mean.gradients.contains("absent"));
+      const auto check_values = [&]<class W>() {
+        const auto n = static_cast<W>(world_size);
+        for (const std::size_t k : reduced) {
+          const std::span<const W> got = mean.gradients.template values<W>(specs[k].id);
+          CHECK(got.size() == *specs[k].shape.checked_element_count());
+          for (std::size_t i = 0; i < got.size(); ++i) {
+            const W sum = static_cast<W>(100.0 * k + i + 1.0) * (n * (n + 1) / 2);
+            CHECK(got[i] == sum / W(2) / n);
+          }
+        }
+        // Padding and the segments present nowhere stay zero.
+        const std::span<const W> all = mean.gradients.template flat<W>();
+        const auto* layout = mean.gradients.layout();
+        std::size_t zeros = 0;
+        std::size_t expected_zeros = all.size();
+        for (const std::size_t k : reduced) expected_zeros -= (*layout)[k].size;
+        for (const W v : all) zeros += v == W(0) ? 1 : 0;
+        CHECK(zeros == expected_zeros);
+      };
+      if (dtype == float_dtype::f64) {
+        check_values.template operator()<double>();
+      } else {
+        check_values.template operator()<float>();
+      }
+    }
+  }
+}
+
+TEST_CASE("normalize has kernels::divide's bits, with and without power-of-two divisors") {
+  // Bit patterns across the range: subnormals (where x / s rounds), normals, both zeros,
+  // infinities, NaN.
+  std::vector<std::uint32_t> patterns{0x00000000U, 0x80000000U, 0x7f800000U, 0xff800000U, 0x7fc00001U};
+  for (std::uint32_t bits = 1; bits < 0x7f800000U; bits += 0x000fedcbU) {
+    patterns.push_back(bits);
+    patterns.push_back(bits | 0x80000000U);
+  }
+  for (std::uint32_t bits = 1; bits < 0x00001000U; bits += 7) patterns.push_back(bits);
+  for (const double s : {1.0, 4.0, 1024.0, 65536.0, 0.125, std::ldexp(1.0, 100), 3.0}) {
+    for (const double w : {1.0, 28.0, 64.0, 0.25, 7.0, std::ldexp(1.0, -120)}) {
+      INFO("s = " << s << ", w = " << w);
+      std::vector<float> fast(patterns.size());
+      std::vector<float> reference(patterns.size());
+      for (std::size_t i = 0; i < patterns.size(); ++i) fast[i] = reference[i] = std::bit_cast<float>(patterns[i]);
+      gradaccum::detail::mpi::normalize(fast.data(), fast.size(), static_cast<float>(s), static_cast<float>(w));
+      gradaccum::kernels::divide(reference.data(), reference.size(), static_cast<float>(s), static_cast<float>(w));
+      std::size_t differing = 0;
+      for (std::size_t i = 0; i < patterns.size(); ++i) {
+        const bool both_nan = std::isnan(fast[i]) && std::isnan(reference[i]);
+        differing +=
+            both_nan || std::bit_cast<std::uint32_t>(fast[i]) == std::bit_cast<std::uint32_t>(reference[i]) ? 0 : 1;
+      }
+      CHECK(differing == 0);
+      std::vector<double> fast64(patterns.size());
+      std::vector<double> reference64(patterns.size());
+      for (std::size_t i = 0; i < patterns.size(); ++i) {
+        fast64[i] = reference64[i] = std::ldexp(static_cast<double>(std::bit_cast<float>(patterns[i])), -900);
+      }
+      gradaccum::detail::mpi::normalize(fast64.data(), fast64.size(), s, w);
+      gradaccum::kernels::divide(reference64.data(), reference64.size(), s, w);
+      differing = 0;
+      for (std::size_t i = 0; i < patterns.size(); ++i) {
+        const bool both_nan = std::isnan(fast64[i]) && std::isnan(reference64[i]);
+        differing +=
+            both_nan || std::bit_cast<std::uint64_t>(fast64[i]) == std::bit_cast<std::uint64_t>(reference64[i]) ? 0 : 1;
+      }
+      CHECK(differing == 0);
+    }
+  }
 }
 
 TEST_CASE_TEMPLATE("mismatched loss scales are an error on every rank, and nothing is taken", B, BACKENDS) {
@@ -365,20 +503,33 @@ TEST_CASE_TEMPLATE("one rank's malformed sums are its own error there and the sa
   };
 
   SUBCASE("a gradient of no parameter") {
-    auto sums = local_sums(params, float_dtype::f32);
-    if (culprit) sums.gradients.insert("ghost", B::template zeros<float>({2, 1}, {}));
+    // Accumulated against a parameter set with one more parameter than the one reduced over.
+    auto specs = model();
+    specs.push_back({"ghost", {2, 1}});
+    const auto haunted = parameters<B>(specs);
+    gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, loss_scale);
+    gradaccum::gradients_params<B> grads = gradients_of<B>(0, float_dtype::f32);
+    if (culprit) grads.insert("ghost", gradient<B, float>(0, specs.back()));
+    window.accumulate_sum(haunted, grads, 7.0);
+    auto sums = window.finish_sums();
     check_rejected_unchanged(
         sums, [&] { return reduce(sums); }, errc::unknown_parameters, culprit ? "ghost" : "");
   }
-  SUBCASE("a pending tensor of another dtype than the state's") {
-    auto sums = local_sums(params, float_dtype::f32);
-    if (culprit) sums.gradients.insert("fc.bias", B::template zeros<double>({5, 1}, {}));
+  SUBCASE("pending sums of another dtype than the state's") {
+    auto sums = local_sums(params, culprit ? float_dtype::f64 : float_dtype::f32);
+    if (culprit) sums.state.dtype = float_dtype::f32;
     check_rejected_unchanged(
-        sums, [&] { return reduce(sums); }, errc::invalid_state, culprit ? "fc.bias" : "");
+        sums, [&] { return reduce(sums); }, errc::invalid_state);
   }
   SUBCASE("an invalid state") {
     auto sums = local_sums(params, float_dtype::f32);
     if (culprit) sums.state.loss_scale = -1.0;
+    check_rejected_unchanged(
+        sums, [&] { return reduce(sums); }, errc::invalid_state);
+  }
+  SUBCASE("pending gradients with zero total weight") {
+    auto sums = local_sums(params, float_dtype::f32);
+    if (culprit) sums.state.total_weight = 0.0;
     check_rejected_unchanged(
         sums, [&] { return reduce(sums); }, errc::invalid_state);
   }
@@ -391,8 +542,10 @@ TEST_CASE_TEMPLATE("ranks with different parameter sets are parameter_mismatch e
   auto specs = model();
   if (world_rank == 0) specs[2].shape = {6, 1};
   const auto params = parameters<B>(specs);
-  auto sums = local_sums(parameters<B>(), float_dtype::f32);
-  if (world_rank == 0) sums.gradients.erase("fc.bias");  // keep this rank's own sums valid
+  // Rank 0's sums hold no fc.bias, so they are valid for its own set.
+  gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, loss_scale);
+  window.accumulate_sum(params, gradients_of<B>(2, float_dtype::f32), 12.0);
+  auto sums = world_rank == 0 ? window.finish_sums() : local_sums(params, float_dtype::f32);
   check_rejected_unchanged(
       sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
       errc::parameter_mismatch);

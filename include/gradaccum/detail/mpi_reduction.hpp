@@ -1,0 +1,427 @@
+#pragma once
+/// @file
+/// @brief The implementation of `<gradaccum/mpi.hpp>`: the agreement step, the window buffer the
+/// values are reduced in, and the bucketed collectives over it. Include `<gradaccum/mpi.hpp>`.
+
+#include <algorithm>
+#include <bit>
+#include <climits>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <mpi.h>
+
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
+#include "gradaccum/flat_gradients.hpp"
+#include "gradaccum/parameter_set.hpp"
+#include "gradaccum/records.hpp"
+#include "gradaccum/weighted_gradients_accumulator.hpp"
+
+#ifndef GRADACCUM_MPI_BUCKET_BYTES
+/// Values are summed in collectives of at most this many bytes, each normalized as soon as it
+/// is summed, while it is still in cache; it also bounds each collective's count well below
+/// MPI's `int`, and the non-blocking variant's collectives complete one bucket at a time.
+#define GRADACCUM_MPI_BUCKET_BYTES (std::size_t{4} << 20)
+#endif
+
+namespace gradaccum::detail::mpi {
+
+template <class W>
+inline constexpr std::size_t bucket_elements = std::max<std::size_t>(GRADACCUM_MPI_BUCKET_BYTES / sizeof(W), 1);
+static_assert(bucket_elements<float> <= static_cast<std::size_t>(INT_MAX),
+              "GRADACCUM_MPI_BUCKET_BYTES: a bucket's element count must fit MPI's int");
+
+/// MPI failures only reach here under `MPI_ERRORS_RETURN`; the default handler aborts the job.
+inline void check(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  fail(errc::invalid_state,
+       std::string(call) + " failed: " + std::string(text, static_cast<std::size_t>(length)) + ".");
+}
+
+template <class W>
+MPI_Datatype datatype() noexcept {
+  if constexpr (std::is_same_v<W, float>) {
+    return MPI_FLOAT;
+  } else {
+    return MPI_DOUBLE;
+  }
+}
+
+/// The smallest and largest value of a word over the ranks, kept as `max(x)` and `max(~x)` so
+/// that one reduction operation computes both.
+struct word_range {
+  std::uint64_t max = 0;
+  std::uint64_t not_min = 0;
+
+  static word_range of(std::uint64_t x) noexcept { return {x, ~x}; }
+  [[nodiscard]] std::uint64_t min() const noexcept { return ~not_min; }
+  [[nodiscard]] bool agreed() const noexcept { return max == min(); }
+  void combine(const word_range& other) noexcept {
+    max = std::max(max, other.max);
+    not_min = std::max(not_min, other.not_min);
+  }
+};
+
+inline constexpr std::uint64_t no_failure = std::numeric_limits<std::uint64_t>::max();
+
+/// What every rank contributes to the agreement step; combined field by field by one
+/// user-defined reduction so the whole step is one small collective.
+struct agreement {
+  std::uint64_t first_failure = no_failure;  // min over ranks of (rank << 8 | errc)
+  word_range layout;                         // fingerprint of the parameter set
+  word_range dtype;
+  word_range loss_scale;  // bit pattern of the double
+  word_range present;     // how many parameters have a gradient
+  double total_weight = 0.0;
+  std::uint64_t microbatches = 0;  // saturating sum: saturation means overflow
+
+  void combine(const agreement& other) noexcept {
+    first_failure = std::min(first_failure, other.first_failure);
+    layout.combine(other.layout);
+    dtype.combine(other.dtype);
+    loss_scale.combine(other.loss_scale);
+    present.combine(other.present);
+    total_weight += other.total_weight;
+    microbatches = other.microbatches > std::numeric_limits<std::uint64_t>::max() - microbatches
+                       ? std::numeric_limits<std::uint64_t>::max()
+                       : microbatches + other.microbatches;
+  }
+};
+
+/// `MPI_User_function` over `agreement`s; MPI's buffers carry no alignment promise, so fields are
+/// copied out and back.
+inline void combine_agreements(void* in, void* inout, int* count, MPI_Datatype* /*type*/) {
+  auto* const in_bytes = static_cast<const unsigned char*>(in);
+  auto* const out_bytes = static_cast<unsigned char*>(inout);
+  for (int i = 0; i < *count; ++i) {
+    const auto offset = static_cast<std::size_t>(i) * sizeof(agreement);
+    agreement a;
+    agreement b;
+    std::memcpy(&a, in_bytes + offset, sizeof a);
+    std::memcpy(&b, out_bytes + offset, sizeof b);
+    b.combine(a);
+    std::memcpy(out_bytes + offset, &b, sizeof b);
+  }
+}
+
+/// The datatype and reduction operation of `agreement`s, created once, on first use: Open MPI 4.1
+/// keeps a few hundred bytes of every operation ever created, so one per call would leak in a
+/// long run. They are freed when `MPI_Finalize` deletes the attributes of `MPI_COMM_SELF` (the
+/// standard hook for a library's cleanup), so no MPI object outlives MPI.
+struct library_handles {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  MPI_Op op = MPI_OP_NULL;
+
+  static const library_handles& get() { return instance(); }
+
+ private:
+  static library_handles& instance() {
+    static library_handles handles = create();
+    return handles;
+  }
+
+  static library_handles create() {
+    library_handles created;
+    try {
+      check(MPI_Type_contiguous(static_cast<int>(sizeof(agreement)), MPI_BYTE, &created.type), "MPI_Type_contiguous");
+      check(MPI_Type_commit(&created.type), "MPI_Type_commit");
+      check(MPI_Op_create(&combine_agreements, 1, &created.op), "MPI_Op_create");
+      int key = MPI_KEYVAL_INVALID;
+      check(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &release_at_finalize, &key, nullptr),
+            "MPI_Comm_create_keyval");
+      check(MPI_Comm_set_attr(MPI_COMM_SELF, key, nullptr), "MPI_Comm_set_attr");
+    } catch (...) {
+      if (created.op != MPI_OP_NULL) MPI_Op_free(&created.op);
+      if (created.type != MPI_DATATYPE_NULL) MPI_Type_free(&created.type);
+      throw;
+    }
+    return created;
+  }
+
+  static int release_at_finalize(MPI_Comm /*comm*/, int key, void* /*value*/, void* /*extra*/) {
+    library_handles& handles = instance();
+    MPI_Op_free(&handles.op);
+    MPI_Type_free(&handles.type);
+    MPI_Comm_free_keyval(&key);
+    return MPI_SUCCESS;
+  }
+};
+
+/// FNV-1a over ids, ranks and dimensions: equal on every rank exactly when the parameter sets
+/// list the same ids with the same shapes in the same order (up to hash collisions). Cached for
+/// the last set seen, since a set only appends and hashing thousands of ids costs more than
+/// reducing their values.
+template <class B>
+std::uint64_t layout_fingerprint(const parameter_set<B>& params) noexcept {
+  struct cached {
+    std::uint64_t identity = 0;
+    std::size_t size = 0;
+    std::uint64_t fingerprint = 0;
+  };
+  thread_local cached last;
+  if (last.identity == params.identity() && last.size == params.size()) return last.fingerprint;
+  std::uint64_t hash = 14695981039346656037ULL;
+  const auto mix = [&](const void* data, std::size_t size) {
+    for (std::size_t i = 0; i < size; ++i) {
+      hash = (hash ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ULL;
+    }
+  };
+  for (const auto& param : params) {
+    const std::uint64_t length = param.id.size();
+    const std::uint64_t rank = param.shape.rank();
+    mix(&length, sizeof length);
+    mix(param.id.data(), param.id.size());
+    mix(&rank, sizeof rank);
+    for (const std::size_t dim : param.shape) {
+      const std::uint64_t extent = dim;
+      mix(&extent, sizeof extent);
+    }
+  }
+  last = {params.identity(), params.size(), hash};
+  return hash;
+}
+
+/// `1 / d` when `d` is a power of two whose reciprocal is exact, else 0.
+template <class W>
+W exact_reciprocal(W d) noexcept {
+  int exponent = 0;
+  if (std::frexp(d, &exponent) != W(0.5)) return 0;
+  const W reciprocal = W(1) / d;
+  return reciprocal * d == W(1) ? reciprocal : W(0);
+}
+
+/// `x[i] = op(x[i])`, in blocks of a fixed count so that GCC's -O2 (whose cost model only
+/// vectorizes loops that need no remainder loop) vectorizes it too.
+template <class W, class Op>
+void for_each_value(W* x, std::size_t count, Op op) noexcept {
+  constexpr std::size_t block = 64;
+  std::size_t i = 0;
+  for (; i + block <= count; i += block) {
+    for (std::size_t j = 0; j < block; ++j) x[i + j] = op(x[i + j]);
+  }
+  for (; i < count; ++i) x[i] = op(x[i]);
+}
+
+/// `x[i] = (x[i] / s) / w` with the bits of `kernels::divide` (`finish_mean`'s). Dividing by a
+/// power of two is multiplying by its exact reciprocal: both round the same real number, so a
+/// loss scale that is one (as dynamic loss scaling keeps it) costs a multiplication instead of
+/// a division, which is several times slower and is most of what the reduction adds to MPI's sum.
+template <class W>
+void normalize(W* x, std::size_t count, W s, W w) noexcept {
+  const W s_reciprocal = exact_reciprocal(s);
+  const W w_reciprocal = exact_reciprocal(w);
+  if (s_reciprocal != 0 && w_reciprocal != 0) {
+    for_each_value(x, count, [=](W v) { return v * s_reciprocal * w_reciprocal; });
+  } else if (s_reciprocal != 0) {
+    for_each_value(x, count, [=](W v) { return v * s_reciprocal / w; });
+  } else if (w_reciprocal != 0) {
+    for_each_value(x, count, [=](W v) { return v / s * w_reciprocal; });
+  } else {
+    for_each_value(x, count, [=](W v) { return v / s / w; });
+  }
+}
+
+/// A window ready for the value collectives: this rank's buffer laid out for the parameter set
+/// (moved out of the caller's sums, or zeros), marked present wherever any rank is, and the
+/// global state.
+template <class B>
+struct agreed_window {
+  flat_gradients<B> gradients;
+  weighted_accumulation_state state;
+  std::size_t begin = 0;  // elements [begin, end) hold every present segment: the ones reduced
+  std::size_t end = 0;
+};
+
+/// This rank's buffer for the reduction, found or made before the agreement so that nothing
+/// after it can fail: the sums' own when laid out for `params`, else their values copied into a
+/// buffer laid out for it (checked by id and shape), or zeros when there are none.
+template <class B>
+struct local_window {
+  std::shared_ptr<const flat_layout<B>> layout;
+  std::shared_ptr<flat_storage> storage;
+  std::vector<std::uint64_t> present;  // one bit per parameter position, for the presence exchange
+
+  local_window(const parameter_set<B>& params, const accumulated_gradients<B>& sums) {
+    validate(sums.state);
+    const flat_gradients<B>& g = sums.gradients;
+    if (sums.state.total_weight == 0.0 && !g.empty()) {
+      fail(errc::invalid_state, "accumulated sums have zero total weight but pending gradients.");
+    }
+    if (!g.empty() && g.dtype() != sums.state.dtype) {
+      fail(errc::invalid_state, "the pending sums are of dtype " + std::string(to_string(g.dtype())) +
+                                    " but the state's work dtype is " + std::string(to_string(sums.state.dtype)) + ".");
+    }
+    const auto& own_layout = flat_access::layout(g);
+    const auto& own_storage = flat_access::storage(g);
+    layout =
+        own_layout && own_layout->laid_out_for(params) ? own_layout : std::make_shared<const flat_layout<B>>(params);
+    if (own_storage && layout == own_layout && own_storage->dtype == sums.state.dtype) {
+      storage = own_storage;
+    } else {
+      storage = flat_storage::allocate(sums.state.dtype, layout->elements(), layout->size());
+      for (const auto& e : g) copy_into_layout(e, g);
+    }
+    present.resize((layout->size() + 63) / 64);
+  }
+
+  /// Takes the buffer (the caller's sums are moved from here, once nothing can fail).
+  [[nodiscard]] flat_gradients<B> take(accumulated_gradients<B>& sums) noexcept {
+    sums.gradients = {};
+    return flat_access::make(std::move(layout), std::move(storage));
+  }
+
+ private:
+  void copy_into_layout(const typename flat_gradients<B>::entry& e, const flat_gradients<B>& from) {
+    const auto position = layout->find(e.id);
+    if (!position) {
+      fail(errc::unknown_parameters,
+           "pending gradient '" + std::string(e.id) + "' names no parameter of the parameter set.", std::string(e.id));
+    }
+    const flat_segment<B>& s = (*layout)[*position];
+    if (s.shape != e.shape) {
+      fail(errc::parameter_mismatch,
+           "pending gradient '" + std::string(e.id) + "' has shape " + e.shape.to_string() +
+               " but its parameter has shape " + s.shape.to_string() + ".",
+           std::string(e.id));
+    }
+    visit_work_dtype(storage->dtype, [&]<class W>() {
+      const std::span<const W> values = from.template values<W>(e);
+      std::copy(values.begin(), values.end(), storage->data<W>() + s.offset);
+    });
+    storage->mark_present(*position);
+  }
+};
+
+/// Every rank evaluates the same agreed words in the same order, so every rank throws the same.
+inline void check_agreement(const agreement& agreed) {
+  if (agreed.first_failure != no_failure) {
+    const auto code = static_cast<errc>(agreed.first_failure & 0xffU);
+    fail(code, "rank " + std::to_string(agreed.first_failure >> 8) + " rejected its accumulated sums (" +
+                   make_error_code(code).message() + "); nothing was reduced.");
+  }
+  if (!agreed.layout.agreed()) {
+    fail(errc::parameter_mismatch,
+         "ranks passed different parameter sets (ids, shapes or order differ); nothing was reduced.");
+  }
+  if (!agreed.dtype.agreed()) {
+    fail(errc::invalid_state, "ranks accumulated in different work dtypes (" +
+                                  std::string(to_string(static_cast<float_dtype>(agreed.dtype.min()))) + " and " +
+                                  std::string(to_string(static_cast<float_dtype>(agreed.dtype.max))) +
+                                  "); nothing was reduced.");
+  }
+  if (!agreed.loss_scale.agreed()) {
+    fail(errc::invalid_state,
+         "ranks used different loss scales (" + number_text(std::bit_cast<double>(agreed.loss_scale.min())) + " and " +
+             number_text(std::bit_cast<double>(agreed.loss_scale.max)) + "); nothing was reduced.");
+  }
+  const auto dtype = static_cast<float_dtype>(agreed.dtype.max);
+  if (agreed.microbatches == std::numeric_limits<std::uint64_t>::max()) {
+    fail(errc::counter_overflow, "the ranks' microbatch counts overflow when summed.");
+  }
+  if (!representable(agreed.total_weight, dtype)) {
+    fail(errc::invalid_weight, "the ranks' total weights sum to " + number_text(agreed.total_weight) +
+                                   ", which is not representable in " + std::string(to_string(dtype)) + ".");
+  }
+  if (!(agreed.total_weight > 0.0)) {
+    fail(errc::empty_weight,
+         "cannot normalize accumulation windows whose total weight over all ranks is zero; nothing was reduced.");
+  }
+}
+
+/// The agreement step of both entry points: checks this rank's sums, agrees with the other ranks
+/// in one small collective (two when some parameter is present on some ranks only), and on
+/// success takes the sums. `reserve(elements)` allocates what the value collectives will need,
+/// before the agreement: a failure on one rank is then an error on every rank, never a rank
+/// missing from a collective.
+template <class B, class Reserve>
+agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm,
+                       Reserve&& reserve) {
+  int rank = 0;
+  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+
+  // 1. Check this rank's sums; a failure is not thrown yet, since the peers would then wait
+  //    forever in the agreement: it travels with the agreement so every rank throws.
+  std::unique_ptr<local_window<B>> local;
+  std::exception_ptr local_failure;
+  errc local_code = errc::invalid_state;
+  try {
+    local = std::make_unique<local_window<B>>(params, sums);
+    reserve(local->layout->elements());
+  } catch (const error& e) {
+    local_failure = std::current_exception();
+    local_code = e.code();
+  } catch (...) {
+    local_failure = std::current_exception();
+  }
+
+  // 2. One small collective: failures, parameter sets, dtypes, loss scales, weights, counts.
+  agreement agreed;
+  if (local_failure) agreed.first_failure = static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(local_code);
+  agreed.layout = word_range::of(layout_fingerprint(params));
+  agreed.dtype = word_range::of(static_cast<std::uint64_t>(sums.state.dtype));
+  agreed.loss_scale = word_range::of(std::bit_cast<std::uint64_t>(sums.state.loss_scale));
+  agreed.present = word_range::of(sums.gradients.size());
+  agreed.total_weight = sums.state.total_weight;
+  agreed.microbatches = sums.state.microbatches;
+  const library_handles& handles = library_handles::get();
+  check(MPI_Allreduce(MPI_IN_PLACE, &agreed, 1, handles.type, handles.op, comm), "MPI_Allreduce");
+  if (local_failure) std::rethrow_exception(local_failure);
+  check_agreement(agreed);
+
+  // 3. Presence: one bit per parameter position, OR-ed over the ranks. When every rank has a
+  //    gradient for every parameter (the usual case), or none for any, the OR is known, and
+  //    every rank skips this collective alike. It stays apart from the agreement: its length is
+  //    the parameter count, which the ranks have only just agreed on.
+  flat_storage& storage = *local->storage;
+  if (agreed.present.min() != params.size() && agreed.present.max != 0) {
+    std::vector<std::uint64_t>& present = local->present;
+    for (std::size_t position = 0; position < params.size(); ++position) {
+      if (storage.present[position] != 0) present[position / 64] |= std::uint64_t{1} << (position % 64);
+    }
+    check(MPI_Allreduce(MPI_IN_PLACE, present.data(), static_cast<int>(present.size()), MPI_UINT64_T, MPI_BOR, comm),
+          "MPI_Allreduce");
+    // A segment present elsewhere only holds zeros here already: marking it is all it takes.
+    for (std::size_t position = 0; position < params.size(); ++position) {
+      if (((present[position / 64] >> (position % 64)) & 1U) != 0) storage.mark_present(position);
+    }
+  }
+
+  // 4. Take the sums; the elements to reduce run from the first present segment to the end of
+  //    the last (the zeros between cost less than splitting the collectives).
+  agreed_window<B> window;
+  window.state = {sums.state.dtype, sums.state.loss_scale, agreed.total_weight, agreed.microbatches};
+  const flat_layout<B>& layout = *local->layout;
+  if (storage.present_count != 0) {
+    std::size_t first = 0;
+    while (storage.present[first] == 0) ++first;
+    std::size_t last = layout.size() - 1;
+    while (storage.present[last] == 0) --last;
+    window.begin = layout[first].offset;
+    window.end = layout[last].offset + layout[last].size;
+  }
+  window.gradients = local->take(sums);
+  return window;
+}
+
+/// Sums [begin, end) of `values`, at most one bucket, over `comm` in place and normalizes it.
+template <class W>
+void reduce(W* values, std::size_t begin, std::size_t end, W scale, W weight, MPI_Comm comm) {
+  check(MPI_Allreduce(MPI_IN_PLACE, values + begin, static_cast<int>(end - begin), datatype<W>(), MPI_SUM, comm),
+        "MPI_Allreduce");
+  normalize(values + begin, end - begin, scale, weight);
+}
+
+}  // namespace gradaccum::detail::mpi
