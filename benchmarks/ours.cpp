@@ -122,8 +122,7 @@ struct small_model {
   std::size_t elements;
 
   small_model(const many_small_case& c, bool bound)
-      : grads(bound ? gradaccum::gradients_params<B>(params) : gradaccum::gradients_params<B>()),
-        elements(c.elements) {
+      : grads(bound ? gradaccum::gradients_params<B>(params) : gradaccum::gradients_params<B>()), elements(c.elements) {
     const float* source = pool().gradient<float>(c.count * c.elements);
     storage.reserve(c.count);
     for (std::size_t i = 0; i < c.count; ++i) {

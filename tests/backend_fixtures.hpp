@@ -179,8 +179,8 @@ std::vector<W> values_of(const gradients_params<B>& grads, std::string_view id) 
 template <class W, class B>
 std::vector<W> values_of(const flat_gradients<B>& grads, std::string_view id) {
   REQUIRE_MESSAGE(grads.contains(id), "no values under '" << std::string(id) << "'");
-  REQUIRE_MESSAGE(grads.dtype() == dtype_of<W>, "values under '" << std::string(id) << "' are not "
-                                                                  << to_string(dtype_of<W>));
+  REQUIRE_MESSAGE(grads.dtype() == dtype_of<W>,
+                  "values under '" << std::string(id) << "' are not " << to_string(dtype_of<W>));
   const std::span<const W> values = grads.template values<W>(id);
   return {values.begin(), values.end()};
 }

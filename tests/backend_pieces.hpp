@@ -88,9 +88,9 @@ template <class Omitted, class... Pieces>
 struct assembled_without : std::conditional_t<std::is_same_v<Omitted, Pieces>, left_out<Pieces>, Pieces>... {};
 
 template <class Omitted>
-using backend_without = assembled_without<Omitted, device_type_piece, element_types_piece, tensor_piece, shape_piece,
-                                          device_piece, add_scaled_piece, map_piece, convert_piece, to_row_major_piece,
-                                          from_row_major_piece>;
+using backend_without =
+    assembled_without<Omitted, device_type_piece, element_types_piece, tensor_piece, shape_piece, device_piece,
+                      add_scaled_piece, map_piece, convert_piece, to_row_major_piece, from_row_major_piece>;
 
 /// A broken replacement for one piece: the backend has every other piece and `Replacement`.
 template <class Replaced, class Replacement>

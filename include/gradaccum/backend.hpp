@@ -60,22 +60,19 @@ concept has_backend_types = requires {
 
 /// What the library does with an incoming gradient of type X (a tensor or a view).
 template <class B, class X>
-concept backend_input =
-    requires(const X& g, std::span<float> acc32, std::span<double> acc64) {
-      { B::shape(g) } -> std::same_as<tensor_shape>;
-      { B::device(g) } -> std::convertible_to<typename B::device_type>;
-      { B::add_scaled(acc32, g, 1.0F) } noexcept;
-      { B::add_scaled(acc64, g, 1.0) } noexcept;
-      { B::template convert<float>(g) } -> std::same_as<typename B::template tensor<float>>;
-      { B::template convert<double>(g) } -> std::same_as<typename B::template tensor<double>>;
-    };
+concept backend_input = requires(const X& g, std::span<float> acc32, std::span<double> acc64) {
+  { B::shape(g) } -> std::same_as<tensor_shape>;
+  { B::device(g) } -> std::convertible_to<typename B::device_type>;
+  { B::add_scaled(acc32, g, 1.0F) } noexcept;
+  { B::add_scaled(acc64, g, 1.0) } noexcept;
+  { B::template convert<float>(g) } -> std::same_as<typename B::template tensor<float>>;
+  { B::template convert<double>(g) } -> std::same_as<typename B::template tensor<double>>;
+};
 
 /// How the library shows a segment of work type W.
 template <class B, class W>
 concept backend_work = requires(std::span<const W> values, const tensor_shape& shape,
-                                const typename B::device_type& device) {
-  B::template map<W>(values, shape, device);
-};
+                                const typename B::device_type& device) { B::template map<W>(values, shape, device); };
 
 template <class B, class T>
 struct element_supported : std::bool_constant<element_type<T> && backend_input<B, typename B::template tensor<T>> &&

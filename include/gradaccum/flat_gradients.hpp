@@ -80,7 +80,8 @@ class flat_layout {
     for (std::size_t i = 0; i < segments_.size(); ++i) index_.insert(i, segments_[i].id);
     by_id_.resize(segments_.size());
     for (std::size_t i = 0; i < by_id_.size(); ++i) by_id_[i] = i;
-    std::sort(by_id_.begin(), by_id_.end(), [&](std::size_t a, std::size_t b) { return segments_[a].id < segments_[b].id; });
+    std::sort(by_id_.begin(), by_id_.end(),
+              [&](std::size_t a, std::size_t b) { return segments_[a].id < segments_[b].id; });
   }
 
   [[nodiscard]] std::size_t size() const noexcept { return segments_.size(); }
@@ -214,8 +215,9 @@ class flat_gradients {
   /// @brief `id`'s values as the backend's read-only view (`B::map`), if present and of element
   /// type W; valid while this object lives and is not modified.
   template <class W>
-  [[nodiscard]] auto get(std::string_view id) const -> std::optional<decltype(B::template map<W>(
-      std::span<const W>{}, std::declval<const tensor_shape&>(), std::declval<const typename B::device_type&>()))> {
+  [[nodiscard]] auto get(std::string_view id) const
+      -> std::optional<decltype(B::template map<W>(std::span<const W>{}, std::declval<const tensor_shape&>(),
+                                                   std::declval<const typename B::device_type&>()))> {
     const auto position = position_of(id);
     if (!position || dtype_of<W> != storage_->dtype) return std::nullopt;
     const flat_segment<B>& s = (*layout_)[*position];
@@ -323,9 +325,8 @@ class flat_gradients {
         const flat_segment<B>& s = (*layout_)[position];
         auto& shape = shapes[views.size()];
         std::copy(s.shape.begin(), s.shape.end(), shape.begin());
-        const auto values = storage_->dtype == float_dtype::f64
-                                ? detail::values_view(values_at<double>(s))
-                                : detail::values_view(values_at<float>(s));
+        const auto values = storage_->dtype == float_dtype::f64 ? detail::values_view(values_at<double>(s))
+                                                                : detail::values_view(values_at<float>(s));
         views.push_back({s.id, storage_->dtype, std::span(shape.data(), s.shape.rank()), values});
       }
     }

@@ -353,9 +353,9 @@ class gradients_params {
         result.emplace(std::in_place_type<tensor<T>>,
                        B::template from_row_major<T>(std::span<const T>(elements), shape, device));
       } else {
-        result.emplace(std::in_place_type<tensor<T>>,
-                       B::template from_row_major<T>(std::span<const T>(std::get<std::vector<T>>(values)), shape,
-                                                     device));
+        result.emplace(
+            std::in_place_type<tensor<T>>,
+            B::template from_row_major<T>(std::span<const T>(std::get<std::vector<T>>(values)), shape, device));
       }
     });
     return std::move(*result);

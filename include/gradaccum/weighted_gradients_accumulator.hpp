@@ -105,9 +105,7 @@ class weighted_gradients_accumulator {
   [[nodiscard]] std::vector<std::string> non_finite() const { return accumulator_.non_finite(); }
 
   /// @brief Snapshot of pending values and state; nothing is reset.
-  [[nodiscard]] weighted_gradients_record try_to_record() const {
-    return {accumulator_.try_to_record(), state_};
-  }
+  [[nodiscard]] weighted_gradients_record try_to_record() const { return {accumulator_.try_to_record(), state_}; }
 
   /// @brief `f(view)` of `try_to_record()` without its copy (see `gradients_params::visit_record`).
   template <class F>
