@@ -161,7 +161,7 @@ class gradients_accumulator {
         detail::fail(errc::unknown_parameters, "record tensor '" + id + "' names no parameter of the parameter set.",
                      id);
       }
-      if (shape != (*params_)[*position].shape) {
+      if (!detail::same_shape<B>(shape, (*params_)[*position].shape)) {
         detail::fail(errc::parameter_mismatch,
                      "record tensor '" + id + "' has shape " + shape.to_string() + " but its parameter has shape " +
                          (*params_)[*position].shape.to_string() + ".",
