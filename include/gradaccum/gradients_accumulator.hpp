@@ -195,7 +195,9 @@ class gradients_accumulator {
 
     void commit() && noexcept {
       if (layout_) target_->layout_ = layout_;
-      target_->pending_ = flat_gradients<B>(storage_ ? layout_ : nullptr, std::move(storage_));
+      // The layout is chosen before the storage is moved: argument evaluation order is unspecified.
+      std::shared_ptr<const flat_layout<B>> layout = storage_ ? layout_ : nullptr;
+      target_->pending_ = flat_gradients<B>(std::move(layout), std::move(storage_));
     }
 
    private:

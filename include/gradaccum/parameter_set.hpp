@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -64,8 +65,10 @@ class parameter_set {
   /// for a shape the backend cannot represent.
   template <class X>
   std::size_t add(std::string_view id, X&& tensor) {
-    if constexpr (detail::gradient_input<B, X>) {
-      const auto& input = detail::as_alternative<B>(id, std::forward<X>(tensor));
+    // Only its geometry is read, now, so even a temporary is viewed (an lvalue) rather than
+    // copied: a temporary Eigen::VectorXf is [n] like a variable, not the n x 1 matrix of a copy.
+    if constexpr (detail::gradient_input<B, const std::remove_reference_t<X>&>) {
+      const auto& input = detail::as_alternative<B>(id, std::as_const(tensor));
       return add(id, detail::shape_of<B>(input, id), B::device(input));
     } else {
       detail::reject_input<B, X>();
