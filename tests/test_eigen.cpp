@@ -28,8 +28,8 @@ static_assert(dtype_of<Eigen::bfloat16> == float_dtype::bf16);
 // map read through a strided view (tests/test_eigen_inputs.cpp).
 static_assert(!detail::is_gradient_alternative<eigen_backend, decltype(matrix() + matrix())>);
 static_assert(detail::gradient_input<eigen_backend, decltype(matrix() + matrix())>);
-static_assert(std::is_same_v<detail::alternative_t<eigen_backend, Eigen::Map<const matrix>>,
-                             eigen_backend::view<float>>);
+static_assert(
+    std::is_same_v<detail::alternative_t<eigen_backend, Eigen::Map<const matrix>>, eigen_backend::view<float>>);
 
 TEST_CASE("matrices are recorded row-major and restored column-major") {
   matrix m(2, 3);

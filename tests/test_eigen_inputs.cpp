@@ -232,7 +232,8 @@ TEST_CASE("the Tensor module: Eigen::Tensor and TensorMap of any layout, in inde
   check_kind(kernel, kernel, tensor_shape{2, 3, 4, 5}, g);
   const Eigen::TensorMap<const Eigen::Tensor<float, 4>> mapped(kernel.data(), 2, 3, 4, 5);
   check_kind(mapped, mapped, tensor_shape{2, 3, 4, 5}, g);
-  Eigen::Tensor<float, 4, Eigen::RowMajor> row_major_kernel = kernel.swap_layout().shuffle(Eigen::array<int, 4>{3, 2, 1, 0});
+  Eigen::Tensor<float, 4, Eigen::RowMajor> row_major_kernel =
+      kernel.swap_layout().shuffle(Eigen::array<int, 4>{3, 2, 1, 0});
   check_kind(row_major_kernel, row_major_kernel, tensor_shape{2, 3, 4, 5}, g);
 
   Eigen::Tensor<float, 1> vector(3);
@@ -323,11 +324,11 @@ TEST_CASE("shapes compare as Eigen assigns: [n] is [n, 1], [] is [1, 1]; other s
     CHECK(std::get<std::vector<float>>(after.gradients.tensors[0].values) ==
           std::get<std::vector<float>>(before.gradients.tensors[0].values));
   };
-  refused("bias", matrix::Zero(1, 3));                 // a row for a column vector
-  refused("row", Eigen::VectorXf::Zero(3));             // a column for a row vector
-  refused("w", counting(3, 2));                         // transposed
-  refused("w", counting(2, 3).transpose());             // a transpose of the wrong shape
-  refused("w", Eigen::VectorXf::Zero(6));               // same count, another shape
+  refused("bias", matrix::Zero(1, 3));       // a row for a column vector
+  refused("row", Eigen::VectorXf::Zero(3));  // a column for a row vector
+  refused("w", counting(3, 2));              // transposed
+  refused("w", counting(2, 3).transpose());  // a transpose of the wrong shape
+  refused("w", Eigen::VectorXf::Zero(6));    // same count, another shape
   refused("scalar", Eigen::VectorXf::Zero(2));
 }
 

@@ -239,21 +239,21 @@ TEST_CASE_TEMPLATE("add_scaled_strided gives the bits of add_scaled on the same 
   std::vector<float> buffer(4096);
   for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = 0.1F * static_cast<float>(i % 977) - 31.7F;
   const std::vector<layout> layouts{
-      {{}, {}, 5},                                                   // rank 0
-      {{7}, {1}, 0},                                                 // contiguous vector
-      {{7}, {-3}, 40},                                               // reversed, every third
-      {{5, 7}, {7, 1}, 0},                                           // row-major
-      {{5, 7}, {1, 5}, 0},                                           // column-major
-      {{5, 7}, {1, 9}, 3},                                           // column-major block, leading dimension 9
-      {{37, 45}, {1, 40}, 2},                                        // larger than a tile, ragged edges
-      {{37, 45}, {50, 1}, 1},                                        // row-major block
-      {{6, 1, 4}, {4, 999, 1}, 0},                                   // a unit dimension with any stride
-      {{1, 9}, {0, 2}, 0},                                           // a row vector of a column-major matrix
-      {{2, 3, 4, 5}, {1, 2, 6, 24}, 0},                              // column-major rank 4 (Eigen::Tensor)
-      {{5, 4, 3, 2}, {1, 5, 20, 60}, 0},                             // its transpose's layout
-      {{3, 4, 5}, {-20, 5, 1}, 60},                                  // first axis reversed
-      {{2, 3, 4}, {3, 1, 6}, 0},                                     // the fast axis in the middle
-      {{0, 4}, {4, 1}, 0},                                           // empty
+      {{}, {}, 5},                        // rank 0
+      {{7}, {1}, 0},                      // contiguous vector
+      {{7}, {-3}, 40},                    // reversed, every third
+      {{5, 7}, {7, 1}, 0},                // row-major
+      {{5, 7}, {1, 5}, 0},                // column-major
+      {{5, 7}, {1, 9}, 3},                // column-major block, leading dimension 9
+      {{37, 45}, {1, 40}, 2},             // larger than a tile, ragged edges
+      {{37, 45}, {50, 1}, 1},             // row-major block
+      {{6, 1, 4}, {4, 999, 1}, 0},        // a unit dimension with any stride
+      {{1, 9}, {0, 2}, 0},                // a row vector of a column-major matrix
+      {{2, 3, 4, 5}, {1, 2, 6, 24}, 0},   // column-major rank 4 (Eigen::Tensor)
+      {{5, 4, 3, 2}, {1, 5, 20, 60}, 0},  // its transpose's layout
+      {{3, 4, 5}, {-20, 5, 1}, 60},       // first axis reversed
+      {{2, 3, 4}, {3, 1, 6}, 0},          // the fast axis in the middle
+      {{0, 4}, {4, 1}, 0},                // empty
   };
   for (const layout& l : layouts) {
     CAPTURE(l.dims.size());

@@ -313,7 +313,8 @@ class gradients_params {
     }
     if constexpr (sizeof(T) == 2) {
       std::vector<std::uint16_t> bits(elements.size());
-      std::transform(elements.begin(), elements.end(), bits.begin(), [](T x) { return std::bit_cast<std::uint16_t>(x); });
+      std::transform(elements.begin(), elements.end(), bits.begin(),
+                     [](T x) { return std::bit_cast<std::uint16_t>(x); });
       record.values = std::move(bits);
     } else {
       record.values = std::move(elements);

@@ -50,9 +50,9 @@ struct declared_element<X> {
 
 /// The element types X may convert to: its own if it names one, else all of B's.
 template <class B, class X, class E = typename declared_element<std::remove_cvref_t<X>>::type>
-using candidate_elements =
-    std::conditional_t<std::is_void_v<E>, typename B::element_types,
-                       std::conditional_t<list_contains<E, typename B::element_types>::value, type_list<E>, type_list<>>>;
+using candidate_elements = std::conditional_t<
+    std::is_void_v<E>, typename B::element_types,
+    std::conditional_t<list_contains<E, typename B::element_types>::value, type_list<E>, type_list<>>>;
 
 template <class A, class B>
 concept alternative_of = is_gradient_alternative<B, A>;
@@ -100,8 +100,7 @@ using converted_type =
 
 /// @brief Whether `X` (a forwarding reference type) can be a parameter or gradient of B.
 template <class B, class X>
-concept gradient_input =
-    is_gradient_alternative<B, X> || has_adapt<B, X> || !std::is_void_v<converted_type<B, X>>;
+concept gradient_input = is_gradient_alternative<B, X> || has_adapt<B, X> || !std::is_void_v<converted_type<B, X>>;
 
 /// The tensor or view that `x` goes in as (see the file comment).
 template <class B, class X>

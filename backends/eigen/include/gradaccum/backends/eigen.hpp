@@ -73,8 +73,8 @@ namespace detail {
 using eigen_elements = type_list<Eigen::half, Eigen::bfloat16, float, double>;
 
 template <class X>
-concept eigen_dense = std::is_base_of_v<Eigen::DenseBase<X>, X> &&
-                      list_contains<typename X::Scalar, eigen_elements>::value;
+concept eigen_dense =
+    std::is_base_of_v<Eigen::DenseBase<X>, X> && list_contains<typename X::Scalar, eigen_elements>::value;
 
 template <class X>
 concept eigen_direct = eigen_dense<X> && (int{X::Flags} & int{Eigen::DirectAccessBit}) != 0;
