@@ -221,6 +221,24 @@ TEST_CASE("in-place inputs are read when accumulated: later writes to the caller
   CHECK(window.pending().values<float>("bias")[3] == 7.0F);
 }
 
+TEST_CASE("a temporary that owns its storage is copied at insert, not viewed") {
+  parameter_set<B> params;
+  params.add("b", Eigen::VectorXf::Zero(3).eval());
+  params.add("w", matrix(2, 3));
+  const matrix m = counting(2, 3);
+  gradients_params<B> grads;
+  grads.insert("b", Eigen::VectorXf(Eigen::Vector3f(1.0F, 2.0F, 3.0F)));
+  grads.insert("w", Eigen::Ref<const matrix>(2.0F * m));  // the Ref holds the evaluated product
+  CHECK(grads.get<float>("b") != nullptr);
+  CHECK(grads.get<float>("w") != nullptr);
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  const auto b = window.pending().values<float>("b");
+  CHECK(std::vector<float>(b.begin(), b.end()) == std::vector<float>{1.0F, 2.0F, 3.0F});
+  const auto w = window.pending().values<float>("w");
+  CHECK(std::vector<float>(w.begin(), w.end()) == row_major_of(2.0F * m));
+}
+
 TEST_CASE("the Tensor module: Eigen::Tensor and TensorMap of any layout, in index order") {
   Eigen::Tensor<float, 4> kernel(2, 3, 4, 5);  // column-major, a rank-4 convolution kernel
   for (Eigen::Index i = 0; i < kernel.size(); ++i) kernel.data()[i] = 0.1F * static_cast<float>(i + 1);

@@ -168,6 +168,24 @@ TEST_CASE("expressions are evaluated once, at insert") {
   CHECK(grads.get<float>("p") != nullptr);  // an owned tensor
 }
 
+TEST_CASE("a temporary container is copied at insert, not viewed") {
+  parameter_set<B> params;
+  params.add("t", xt::xtensor<float, 2>::from_shape({2, 3}));
+  params.add("f", xt::xtensor_fixed<float, xt::xshape<3>>{});
+  CHECK(params[1].shape == tensor_shape{3});
+  gradients_params<B> grads;
+  grads.insert("t", xt::xtensor<float, 2, xt::layout_type::column_major>(counting({2, 3})));
+  grads.insert("f", xt::xtensor_fixed<float, xt::xshape<3>>{1.0F, 2.0F, 3.0F});
+  CHECK(grads.get<float>("t") != nullptr);
+  CHECK(grads.get<float>("f") != nullptr);
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  const auto t = window.pending().values<float>("t");
+  CHECK(std::vector<float>(t.begin(), t.end()) == row_major_of(counting({2, 3})));
+  const auto f = window.pending().values<float>("f");
+  CHECK(std::vector<float>(f.begin(), f.end()) == std::vector<float>{1.0F, 2.0F, 3.0F});
+}
+
 TEST_CASE("in-place inputs are read when accumulated: later writes to the caller's memory are seen") {
   xt::xarray<float> big = counting({4, 5});
   xt::xtensor<float, 1> bias = {1.0F, 1.0F, 1.0F};

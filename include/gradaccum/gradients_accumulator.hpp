@@ -262,7 +262,7 @@ class gradients_accumulator {
     for (const auto& e : pending_) {
       const auto position = params.find(e.id);
       if (!position) detail::fail_unknown<B>(e.id);
-      if (params[*position].shape != e.shape) {
+      if (!detail::same_shape<B>(params[*position].shape, e.shape)) {
         detail::fail(errc::parameter_mismatch,
                      "pending gradient '" + std::string(e.id) + "' has shape " + e.shape.to_string() +
                          " but its parameter has shape " + params[*position].shape.to_string() + ".",
@@ -291,7 +291,7 @@ class gradients_accumulator {
     try {
       for (const auto& e : pending_) {
         const auto position = layout->find(e.id);
-        if (!position || (*layout)[*position].shape != e.shape) {
+        if (!position || !detail::same_shape<B>((*layout)[*position].shape, e.shape)) {
           if (!position) detail::fail_unknown<B>(e.id);
           detail::fail(errc::parameter_mismatch,
                        "pending gradient '" + std::string(e.id) + "' has shape " + e.shape.to_string() +

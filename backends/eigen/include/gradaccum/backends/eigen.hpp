@@ -91,9 +91,10 @@ concept eigen_tensor_storage = requires(const X& x) {
   x.dimensions();
 } && list_contains<typename X::Scalar, eigen_elements>::value;
 
-/// Matrices, arrays and tensors own their storage; maps, blocks and references do not.
+/// Matrices, arrays and tensors own their storage; maps and blocks do not. A `Ref` may (a
+/// `Ref<const M>` bound to an expression holds its evaluation), so a temporary one counts as owning.
 template <class X>
-concept eigen_owning = std::is_base_of_v<Eigen::PlainObjectBase<X>, X> ||
+concept eigen_owning = std::is_base_of_v<Eigen::PlainObjectBase<X>, X> || std::is_base_of_v<Eigen::RefBase<X>, X> ||
                        (eigen_tensor_storage<X> && !requires { typename X::StorageRefType; });
 
 }  // namespace detail
