@@ -57,11 +57,11 @@ struct window {
   window(std::size_t count_, std::size_t elements_)
       : count(count_), elements(elements_), values(pool().gradient<float>(count_ * elements_)) {
     gradaccum::gradients_params<backend> grads;
-    const auto rows = static_cast<Eigen::Index>(elements);
+    const gradaccum::tensor_shape shape{elements, 1};
     for (std::size_t i = 0; i < count; ++i) {
       const std::string id = "blocks." + std::to_string(i) + ".mlp.weight";
-      params.add(id, backend::view<float>(values + i * elements, rows, 1));
-      grads.insert(id, backend::view<float>(values + i * elements, rows, 1));
+      params.add(id, backend::view<float>(values + i * elements, shape));
+      grads.insert(id, backend::view<float>(values + i * elements, shape));
     }
     acc.accumulate_sum(params, grads, 1.0);
   }

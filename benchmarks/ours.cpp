@@ -71,7 +71,7 @@ struct backend_of<eigen_b> {
   using element = eigen_element_t<In>;
   template <class T>
   static auto view(const T* p, std::size_t n) {
-    return eigen_b::view<T>(p, static_cast<Eigen::Index>(n), 1);
+    return eigen_b::view<T>(p, gradaccum::tensor_shape{n, 1});
   }
 };
 #endif

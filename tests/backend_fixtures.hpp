@@ -55,7 +55,7 @@ struct backend_fixture<eigen_backend> {
   static std::optional<eigen_cpu_device> other_device() noexcept { return std::nullopt; }
   template <class T>
   static eigen_backend::view<T> view_of(const eigen_backend::tensor<T>& t) noexcept {
-    return eigen_backend::view<T>(t.data(), t.rows(), t.cols());
+    return eigen_backend::view_of(t);
   }
 };
 #define GRADACCUM_TEST_EIGEN_BACKEND , gradaccum::eigen_backend

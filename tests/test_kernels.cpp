@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -201,4 +202,81 @@ TEST_CASE("large ranges give the bits of the element-by-element loop") {
   mismatches = 0;
   for (std::size_t i = 0; i < large_count; ++i) mismatches += same_bits(wide[i], wide_expected[i]) ? 0 : 1;
   CHECK(mismatches == 0);
+}
+
+namespace {
+
+/// One strided layout of a gradient: dimensions, element strides, and the offset of element
+/// (0, ..., 0) in the backing buffer.
+struct layout {
+  std::vector<std::size_t> dims;
+  std::vector<std::ptrdiff_t> strides;
+  std::ptrdiff_t origin;
+};
+
+/// The gradient's elements in row-major order, gathered index by index.
+template <class T>
+std::vector<T> gathered(const std::vector<T>& buffer, const layout& l) {
+  std::size_t count = 1;
+  for (const std::size_t d : l.dims) count *= d;
+  std::vector<T> out;
+  for (std::size_t flat = 0; flat < count; ++flat) {
+    std::ptrdiff_t offset = l.origin;
+    std::size_t rest = flat;
+    for (std::size_t axis = l.dims.size(); axis-- > 0;) {
+      offset += static_cast<std::ptrdiff_t>(rest % l.dims[axis]) * l.strides[axis];
+      rest /= l.dims[axis];
+    }
+    out.push_back(buffer[static_cast<std::size_t>(offset)]);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("add_scaled_strided gives the bits of add_scaled on the same values, for any strides", W, float,
+                   double) {
+  std::vector<float> buffer(4096);
+  for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = 0.1F * static_cast<float>(i % 977) - 31.7F;
+  const std::vector<layout> layouts{
+      {{}, {}, 5},                        // rank 0
+      {{7}, {1}, 0},                      // contiguous vector
+      {{7}, {-3}, 40},                    // reversed, every third
+      {{5, 7}, {7, 1}, 0},                // row-major
+      {{5, 7}, {1, 5}, 0},                // column-major
+      {{5, 7}, {1, 9}, 3},                // column-major block, leading dimension 9
+      {{37, 45}, {1, 40}, 2},             // larger than a tile, ragged edges
+      {{37, 45}, {50, 1}, 1},             // row-major block
+      {{6, 1, 4}, {4, 999, 1}, 0},        // a unit dimension with any stride
+      {{1, 9}, {0, 2}, 0},                // a row vector of a column-major matrix
+      {{2, 3, 4, 5}, {1, 2, 6, 24}, 0},   // column-major rank 4 (Eigen::Tensor)
+      {{5, 4, 3, 2}, {1, 5, 20, 60}, 0},  // its transpose's layout
+      {{3, 4, 5}, {-20, 5, 1}, 60},       // first axis reversed
+      {{2, 3, 4}, {3, 1, 6}, 0},          // the fast axis in the middle
+      {{0, 4}, {4, 1}, 0},                // empty
+  };
+  for (const layout& l : layouts) {
+    CAPTURE(l.dims.size());
+    CAPTURE(l.strides.size() > 1 ? l.strides[1] : 0);
+    const std::vector<float> g = gathered(buffer, l);
+    std::vector<W> expected(g.size(), W(0.5));
+    std::vector<W> ours = expected;
+    kernels::add_scaled(expected.data(), g.data(), g.size(), W(1.7));
+    kernels::add_scaled_strided(ours.data(), buffer.data() + l.origin, std::span<const std::size_t>(l.dims),
+                                std::span<const std::ptrdiff_t>(l.strides), W(1.7));
+    CHECK(same_bits(gradaccum::record_values(ours), gradaccum::record_values(expected)));
+  }
+}
+
+TEST_CASE("add_scaled_strided widens 16-bit gradients exactly through any strides") {
+  std::vector<f16> buffer(64);
+  for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = f16{static_cast<std::uint16_t>(0x3c00U + 37U * i)};
+  const layout transposed{{4, 8}, {1, 8}, 0};
+  const std::vector<f16> g = gathered(buffer, transposed);
+  std::vector<float> expected(g.size(), 0.0F);
+  std::vector<float> ours = expected;
+  kernels::add_scaled(expected.data(), g.data(), g.size(), 3.0F);
+  kernels::add_scaled_strided(ours.data(), buffer.data(), std::span<const std::size_t>(transposed.dims),
+                              std::span<const std::ptrdiff_t>(transposed.strides), 3.0F);
+  CHECK(same_bits(ours, expected));
 }

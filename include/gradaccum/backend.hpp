@@ -16,6 +16,10 @@
 ///   using element_types = gradaccum::type_list<float, double /*, 16-bit types */>;
 ///   template <class T> using tensor = ...;                 // owning, evaluated tensor
 ///   template <class T> using view = ...;                   // optional: read-only view of caller memory
+///                                                          // (gradaccum::strided_view<const T> fits any host layout)
+///   static auto adapt(Y&&);                                // optional: a tensor<T> or view<T> for another type Y
+///   static gradaccum::tensor_shape canonical_shape(const gradaccum::tensor_shape&);  // optional: shapes that
+///                                                          // compare equal (parameter vs gradient) when these agree
 ///   static gradaccum::tensor_shape shape(const X&);        // a shape it cannot represent: errc::parameter_mismatch
 ///   static device_type device(const X&);
 ///   // acc (row-major, shape(g)'s element count) += scale · W(g), rounding twice (no FMA)
@@ -30,6 +34,9 @@
 ///                                                      const device_type&);
 /// };
 /// @endcode
+///
+/// A parameter or gradient of any other type goes in through `adapt`, or as a `view<T>` or
+/// `tensor<T>` it converts to (see `<gradaccum/detail/gradient_input.hpp>`).
 ///
 /// The buffer is host memory, so a backend whose tensors live on an accelerator reads them into
 /// it in `add_scaled` (a device-to-host copy); see docs/architecture.md.
@@ -129,6 +136,23 @@ tensor_shape shape_of(const X& value, std::string_view id) {
     if (problem.code() != errc::invalid_record) throw;
     fail(errc::parameter_mismatch, "tensor '" + std::string(id) + "' cannot be used: " + problem.what(),
          std::string(id));
+  }
+}
+
+template <class B>
+concept has_canonical_shape = requires(const tensor_shape& s) {
+  { B::canonical_shape(s) } -> std::same_as<tensor_shape>;
+};
+
+/// Whether shapes `a` and `b` are the same to B: equal, or equal after `B::canonical_shape`
+/// (Eigen: a vector [n] is an n x 1 matrix).
+template <class B>
+bool same_shape(const tensor_shape& a, const tensor_shape& b) {
+  if (a == b) return true;
+  if constexpr (has_canonical_shape<B>) {
+    return B::canonical_shape(a) == B::canonical_shape(b);
+  } else {
+    return false;
   }
 }
 

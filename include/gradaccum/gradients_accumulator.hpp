@@ -161,7 +161,7 @@ class gradients_accumulator {
         detail::fail(errc::unknown_parameters, "record tensor '" + id + "' names no parameter of the parameter set.",
                      id);
       }
-      if (shape != (*params_)[*position].shape) {
+      if (!detail::same_shape<B>(shape, (*params_)[*position].shape)) {
         detail::fail(errc::parameter_mismatch,
                      "record tensor '" + id + "' has shape " + shape.to_string() + " but its parameter has shape " +
                          (*params_)[*position].shape.to_string() + ".",
@@ -195,8 +195,9 @@ class gradients_accumulator {
 
     void commit() && noexcept {
       if (layout_) target_->layout_ = layout_;
-      if (!storage_) layout_ = nullptr;
-      target_->pending_ = flat_gradients<B>(std::move(layout_), std::move(storage_));
+      // The layout is chosen before the storage is moved: argument evaluation order is unspecified.
+      std::shared_ptr<const flat_layout<B>> layout = storage_ ? layout_ : nullptr;
+      target_->pending_ = flat_gradients<B>(std::move(layout), std::move(storage_));
     }
 
    private:
@@ -272,7 +273,7 @@ class gradients_accumulator {
     for (const auto& e : pending_) {
       const auto position = params.find(e.id);
       if (!position) detail::fail_unknown<B>(e.id);
-      if (params[*position].shape != e.shape) {
+      if (!detail::same_shape<B>(params[*position].shape, e.shape)) {
         detail::fail(errc::parameter_mismatch,
                      "pending gradient '" + std::string(e.id) + "' has shape " + e.shape.to_string() +
                          " but its parameter has shape " + params[*position].shape.to_string() + ".",
@@ -301,7 +302,7 @@ class gradients_accumulator {
     try {
       for (const auto& e : pending_) {
         const auto position = layout->find(e.id);
-        if (!position || (*layout)[*position].shape != e.shape) {
+        if (!position || !detail::same_shape<B>((*layout)[*position].shape, e.shape)) {
           if (!position) detail::fail_unknown<B>(e.id);
           detail::fail(errc::parameter_mismatch,
                        "pending gradient '" + std::string(e.id) + "' has shape " + e.shape.to_string() +

@@ -17,12 +17,14 @@
 #include <vector>
 
 #include "gradaccum/backend.hpp"
+#include "gradaccum/detail/gradient_input.hpp"
 #include "gradaccum/detail/id_index.hpp"
 #include "gradaccum/detail/variant.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/parameter_set.hpp"
 #include "gradaccum/records.hpp"
+#include "gradaccum/strided_view.hpp"
 
 namespace gradaccum {
 
@@ -40,7 +42,7 @@ template <class B>
 /// Checks that the gradient `id` has the shape and device of `param`; throws parameter_mismatch.
 template <class B, class X>
 void check_geometry(const typename parameter_set<B>::parameter& param, std::string_view id, const X& value) {
-  if (shape_of<B>(value, id) != param.shape) {
+  if (!same_shape<B>(shape_of<B>(value, id), param.shape)) {
     fail(errc::parameter_mismatch,
          "gradient '" + std::string(id) + "' has shape " + shape_of<B>(value, id).to_string() +
              " but its parameter has shape " + param.shape.to_string() + ".",
@@ -134,21 +136,29 @@ class gradients_params {
     return params_ == &params && params_identity_ == params.identity();
   }
 
-  /// @brief Stores `value` (a tensor, moved or copied, or a view of caller memory) under `id`,
-  /// replacing any previous gradient for `id`. Expressions must be evaluated first.
+  /// @brief Stores `value` under `id`, replacing any previous gradient for `id`: a tensor (moved
+  /// or copied), a view of caller memory (read in place), or anything else the backend takes
+  /// (see `<gradaccum/detail/gradient_input.hpp>`; expressions are evaluated here, once).
+  /// @throws error(errc::parameter_mismatch) for a shape the backend cannot represent.
   template <class X>
-    requires detail::is_gradient_alternative<B, X>
   void insert(std::string_view id, X&& value) {
-    using stored = stored_type<std::remove_cvref_t<X>>;
-    const std::size_t parameter = params_ ? detail::resolve(*params_, id, value, 0) : 0;
-    if (const auto position = find(id)) {
+    if constexpr (detail::gradient_input<B, X>) {
+      using stored = stored_type<detail::alternative_t<B, X>>;
       // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
-      value_type replacement(std::in_place_type<stored>, std::forward<X>(value));
-      entries_[*position].value = std::move(replacement);
-      return;
+      value_type converted(std::in_place_type<stored>, detail::as_alternative<B>(id, std::forward<X>(value)));
+      const std::size_t parameter =
+          params_ ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); }, converted)
+                  : 0;
+      if (const auto position = find(id)) {
+        entries_[*position].value = std::move(converted);
+        entries_[*position].position = parameter;
+        return;
+      }
+      entry added{std::string(id), std::move(converted), parameter};
+      push_back(std::move(added));
+    } else {
+      detail::reject_input<B, X>();
     }
-    entry added{std::string(id), value_type(std::in_place_type<stored>, std::forward<X>(value)), parameter};
-    push_back(std::move(added));
   }
 
   /// @brief The owned tensor of element type T under `id`; null when absent, of another
@@ -292,7 +302,7 @@ class gradients_params {
     if (!position) {
       detail::fail(errc::unknown_parameters, "record tensor '" + id + "' names no parameter of the parameter set.", id);
     }
-    if (shape != params[*position].shape) {
+    if (!detail::same_shape<B>(shape, params[*position].shape)) {
       detail::fail(errc::parameter_mismatch,
                    "record tensor '" + id + "' has shape " + shape.to_string() + " but its parameter has shape " +
                        params[*position].shape.to_string() + ".",
@@ -313,30 +323,30 @@ class gradients_params {
     return found;
   }
 
+  /// The record of one gradient, with the gradient's own shape (a view is not copied into a tensor
+  /// first when it is a `strided_view`, which writes row-major values itself).
   template <class X>
   static tensor_record record_of(const std::string& id, const X& value) {
     using T = detail::element_of<B, X>;
-    const tensor<T>* owned = nullptr;
-    std::optional<tensor<T>> copy;  // tensors need not be default-constructible
-    if constexpr (std::is_same_v<std::remove_cvref_t<X>, tensor<T>>) {
-      owned = &value;
-    } else {
-      owned = &copy.emplace(B::template convert<T>(value));  // a view: copy it into an owned tensor first
-    }
     tensor_record record{id, dtype_of<T>, {}, {}};
-    const tensor_shape shape = B::shape(*owned);
+    const tensor_shape shape = B::shape(value);
     record.shape.assign(shape.begin(), shape.end());
-    using stored = std::conditional_t<sizeof(T) == 2, std::uint16_t, T>;
-    std::vector<stored> values(*shape.checked_element_count());
-    if constexpr (sizeof(T) == 2) {
-      std::vector<T> elements(values.size());
-      B::to_row_major(*owned, std::span<T>(elements));
-      std::transform(elements.begin(), elements.end(), values.begin(),
-                     [](T x) { return std::bit_cast<std::uint16_t>(x); });
+    std::vector<T> elements(*shape.checked_element_count());
+    if constexpr (std::is_same_v<X, strided_view<const T>>) {
+      copy_row_major(value, std::span<T>(elements));
+    } else if constexpr (std::is_same_v<X, tensor<T>>) {
+      B::to_row_major(value, std::span<T>(elements));
     } else {
-      B::to_row_major(*owned, std::span<T>(values));
+      B::to_row_major(B::template convert<T>(value), std::span<T>(elements));
     }
-    record.values = std::move(values);
+    if constexpr (sizeof(T) == 2) {
+      std::vector<std::uint16_t> bits(elements.size());
+      std::transform(elements.begin(), elements.end(), bits.begin(),
+                     [](T x) { return std::bit_cast<std::uint16_t>(x); });
+      record.values = std::move(bits);
+    } else {
+      record.values = std::move(elements);
+    }
     return record;
   }
 

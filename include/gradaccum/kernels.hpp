@@ -12,14 +12,17 @@
 /// that by definition (it disregards FP_CONTRACT pragmas); its fast-honor-pragmas does not.
 /// Every kernel is elementwise, so splitting a range across threads gives bit-identical results.
 
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <type_traits>
 
 #include "gradaccum/dtype.hpp"
+#include "gradaccum/shape.hpp"
 
 #ifdef __F16C__
 #include <immintrin.h>
@@ -157,29 +160,115 @@ void add_scaled(W* __restrict acc, const T* __restrict g, std::size_t count, W s
   });
 }
 
+/// @brief `acc[r · acc_row + c] = acc[r · acc_row + c] + scale · W(g[r · row_stride + c · col_stride])`
+/// for a `rows × cols` plane, with the arithmetic of `add_scaled`.
+///
+/// In tiles of 32 × 32, so both sides are read a cache line at a time whichever of g's strides
+/// is the small one.
+template <class W, element_type T>
+void add_scaled_plane(W* __restrict acc, std::ptrdiff_t acc_row, const T* __restrict g, std::ptrdiff_t row_stride,
+                      std::ptrdiff_t col_stride, std::size_t rows, std::size_t cols, W scale) noexcept {
+  GRADACCUM_NO_FP_CONTRACT
+  constexpr std::size_t tile = 32;
+  for (std::size_t r0 = 0; r0 < rows; r0 += tile) {
+    const std::size_t r1 = r0 + tile < rows ? r0 + tile : rows;
+    for (std::size_t c0 = 0; c0 < cols; c0 += tile) {
+      const std::size_t c1 = c0 + tile < cols ? c0 + tile : cols;
+      for (std::size_t r = r0; r < r1; ++r) {
+        W* out = acc + static_cast<std::ptrdiff_t>(r) * acc_row;
+        const T* in = g + static_cast<std::ptrdiff_t>(r) * row_stride;
+        for (std::size_t c = c0; c < c1; ++c) {
+          const W product = scale * to_work<W>(in[static_cast<std::ptrdiff_t>(c) * col_stride]);
+          out[c] = out[c] + product;
+        }
+      }
+    }
+  }
+}
+
 /// @brief `acc[r · cols + c] = acc[r · cols + c] + scale · W(g[r + c · rows])`: a column-major
 /// `rows × cols` gradient added into row-major sums, with the arithmetic of `add_scaled`.
-///
-/// In tiles of 32 × 32, so both sides are read a cache line at a time.
 template <class W, element_type T>
 void add_scaled_transposed(W* __restrict acc, const T* __restrict g, std::size_t rows, std::size_t cols,
                            W scale) noexcept {
   constexpr std::size_t tile = 32;
   gradaccum::detail::for_ranges((rows + tile - 1) / tile, [=](std::size_t begin, std::size_t end) noexcept {
-    GRADACCUM_NO_FP_CONTRACT
-    for (std::size_t r0 = begin * tile; r0 < end * tile && r0 < rows; r0 += tile) {
-      const std::size_t r1 = r0 + tile < rows ? r0 + tile : rows;
-      for (std::size_t c0 = 0; c0 < cols; c0 += tile) {
-        const std::size_t c1 = c0 + tile < cols ? c0 + tile : cols;
-        for (std::size_t r = r0; r < r1; ++r) {
-          for (std::size_t c = c0; c < c1; ++c) {
-            const W product = scale * to_work<W>(g[r + c * rows]);
-            acc[r * cols + c] = acc[r * cols + c] + product;
-          }
-        }
+    const std::size_t r0 = begin * tile;
+    const std::size_t r1 = end * tile < rows ? end * tile : rows;
+    add_scaled_plane(acc + r0 * cols, static_cast<std::ptrdiff_t>(cols), g + r0, 1, static_cast<std::ptrdiff_t>(rows),
+                     r1 - r0, cols, scale);
+  });
+}
+
+/// @brief `acc[i] = acc[i] + scale · W(g[offset(i)])` over a rank-N strided gradient in row-major
+/// order: `acc` is row-major over `dims`, element (i0, ..., ik) of g is at
+/// `g[i0 · strides[0] + ... + ik · strides[k]]`. Same arithmetic, so the same bits, as `add_scaled`.
+///
+/// Unit dimensions are dropped and dimensions contiguous in both acc and g merged first, so a
+/// row-major input (of any rank, or a vector of any orientation) takes `add_scaled` itself. What
+/// remains is walked as planes: rows of contiguous runs when g's innermost stride is 1, else
+/// 32 × 32 tiles of the innermost dimension against g's fastest one (a column-major matrix, a
+/// transpose, a column-major Eigen::Tensor).
+template <class W, element_type T>
+void add_scaled_strided(W* __restrict acc, const T* g, std::span<const std::size_t> dims,
+                        std::span<const std::ptrdiff_t> strides, W scale) noexcept {
+  std::array<std::size_t, max_rank> d{};
+  std::array<std::ptrdiff_t, max_rank> s{};
+  std::size_t rank = 0;
+  for (std::size_t axis = 0; axis < dims.size(); ++axis) {
+    if (dims[axis] == 0) return;
+    if (dims[axis] == 1) continue;
+    if (rank > 0 && s[rank - 1] == strides[axis] * static_cast<std::ptrdiff_t>(dims[axis])) {
+      d[rank - 1] *= dims[axis];
+      s[rank - 1] = strides[axis];
+    } else {
+      d[rank] = dims[axis];
+      s[rank] = strides[axis];
+      ++rank;
+    }
+  }
+  if (rank == 0) return add_scaled(acc, g, 1, scale);
+  if (rank == 1 && s[0] == 1) return add_scaled(acc, g, d[0], scale);
+  if (rank == 2 && s[0] == 1 && s[1] == static_cast<std::ptrdiff_t>(d[0])) {
+    return add_scaled_transposed(acc, g, d[0], d[1], scale);
+  }
+  // Row-major strides of acc, and g's fastest axis (the tile's row axis when it is not the last).
+  std::array<std::ptrdiff_t, max_rank> a{};
+  a[rank - 1] = 1;
+  for (std::size_t axis = rank - 1; axis-- > 0;) a[axis] = a[axis + 1] * static_cast<std::ptrdiff_t>(d[axis + 1]);
+  const std::size_t last = rank - 1;
+  std::size_t fast = last;
+  for (std::size_t axis = 0; axis < last; ++axis) {
+    const std::ptrdiff_t magnitude = s[axis] < 0 ? -s[axis] : s[axis];
+    const std::ptrdiff_t best = s[fast] < 0 ? -s[fast] : s[fast];
+    if (magnitude < best) fast = axis;
+  }
+  const std::size_t plane_rows = fast == last ? 1 : d[fast];
+  // Every other axis is walked by an odometer, one plane per step.
+  std::array<std::size_t, max_rank> index{};
+  std::ptrdiff_t acc_offset = 0;
+  std::ptrdiff_t g_offset = 0;
+  for (;;) {
+    if (fast == last && s[last] == 1) {
+      add_scaled(acc + acc_offset, g + g_offset, d[last], scale);
+    } else {
+      add_scaled_plane(acc + acc_offset, a[fast], g + g_offset, s[fast], s[last], plane_rows, d[last], scale);
+    }
+    bool advanced = false;
+    for (std::size_t axis = last; axis-- > 0 && !advanced;) {
+      if (axis == fast) continue;
+      if (++index[axis] < d[axis]) {
+        acc_offset += a[axis];
+        g_offset += s[axis];
+        advanced = true;
+      } else {
+        acc_offset -= a[axis] * static_cast<std::ptrdiff_t>(d[axis] - 1);
+        g_offset -= s[axis] * static_cast<std::ptrdiff_t>(d[axis] - 1);
+        index[axis] = 0;
       }
     }
-  });
+    if (!advanced) return;
+  }
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options

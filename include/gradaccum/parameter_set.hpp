@@ -7,10 +7,12 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "gradaccum/backend.hpp"
+#include "gradaccum/detail/gradient_input.hpp"
 #include "gradaccum/detail/id_index.hpp"
 #include "gradaccum/detail/variant.hpp"
 #include "gradaccum/error.hpp"
@@ -56,20 +58,29 @@ class parameter_set {
   }
   ~parameter_set() = default;
 
-  /// @brief Adds the parameter `id` with the shape and device of `tensor` (a tensor or view).
+  /// @brief Adds the parameter `id` with the shape and device of `tensor`: anything
+  /// `gradients_params::insert` takes (see `<gradaccum/detail/gradient_input.hpp>`).
   /// @returns its position. Re-adding an id with the same geometry returns the first position.
-  /// @throws error(errc::parameter_mismatch) when a tied id is re-added with other geometry.
+  /// @throws error(errc::parameter_mismatch) when a tied id is re-added with other geometry, or
+  /// for a shape the backend cannot represent.
   template <class X>
-    requires detail::is_gradient_alternative<B, X>
-  std::size_t add(std::string_view id, const X& tensor) {
-    return add(id, detail::shape_of<B>(tensor, id), B::device(tensor));
+  std::size_t add(std::string_view id, X&& tensor) {
+    // Only its geometry is read, now, so even a temporary is viewed (an lvalue) rather than
+    // copied: a temporary Eigen::VectorXf is [n] like a variable, not the n x 1 matrix of a copy.
+    if constexpr (detail::gradient_input<B, const std::remove_reference_t<X>&>) {
+      const auto& input = detail::as_alternative<B>(id, std::as_const(tensor));
+      return add(id, detail::shape_of<B>(input, id), B::device(input));
+    } else {
+      detail::reject_input<B, X>();
+      return 0;
+    }
   }
 
   /// @brief Adds the parameter `id` with explicit geometry; same rules as above.
   std::size_t add(std::string_view id, const tensor_shape& shape, const device_type& device) {
     if (const auto position = find(id)) {
       const parameter& tied = params_[*position];
-      if (tied.shape != shape) {
+      if (!detail::same_shape<B>(tied.shape, shape)) {
         detail::fail(errc::parameter_mismatch,
                      "tied parameter '" + std::string(id) + "' was added with shape " + tied.shape.to_string() +
                          " and again with shape " + shape.to_string() + ".",

@@ -2,22 +2,54 @@
 /// @file
 /// @brief Eigen backend: `gradaccum::eigen_backend`.
 ///
-/// Eigen already gives dense matrices of `Eigen::half`, `Eigen::bfloat16`, `float` and `double`,
-/// casts between them, and `Eigen::Map` views of caller memory. This header adds the traits
-/// that let the core accumulate them: gradients are `Eigen::Matrix<T, Dynamic, Dynamic>` or
-/// `Eigen::Map<const Eigen::Matrix<T, Dynamic, Dynamic>>` (read in place, no copy), and the
-/// fused convert-scale-add runs the core's kernels on the raw storage, because Eigen's
-/// half/bfloat16 casts are scalar and run several times below memory speed.
+/// Eigen already gives dense matrices and arrays of `Eigen::half`, `Eigen::bfloat16`, `float` and
+/// `double` in any size and storage order, maps, blocks and expressions, and (in the Tensor
+/// module) tensors of any rank. This header adds the traits that let the core accumulate them:
+/// every dense Eigen object goes in as a parameter or gradient, and the fused convert-scale-add
+/// runs the core's kernels on the raw storage, because Eigen's half/bfloat16 casts are scalar and
+/// run several times below memory speed.
+///
+/// What goes in, and as what (`eigen_backend::adapt`):
+/// - `Eigen::Matrix<T, Dynamic, Dynamic>` (`tensor<T>`): stored, copied or moved.
+/// - Any other object with direct access to its storage — fixed-size or row-major matrices,
+///   arrays, `Map` (const or mutable, with strides), `Ref`, blocks, rows, columns, transposes —
+///   and an `Eigen::Tensor` / `Eigen::TensorMap` of rank up to `gradaccum::max_rank`: read in
+///   place through its strides (`view<T>`, a `gradaccum::strided_view`); the memory must outlive
+///   the accumulation call. A temporary that owns its storage (`Eigen::VectorXf(...)` as an
+///   argument) is copied into a `tensor<T>` instead; a temporary `Eigen::Tensor` is refused (keep
+///   it in a variable).
+/// - An expression (`2.0F * g`, `MatrixXf::Constant(2, 3, 1.0F)`): evaluated once, at insert,
+///   into a `tensor<T>`.
+///
+/// Shapes: a column vector type (`ColsAtCompileTime == 1`: `VectorXf`, `Vector3f`, `ArrayXf`,
+/// `m.col(j)`) is `[n]`; everything else of the Core module is `[rows, cols]` (so `RowVectorXf`
+/// and `m.row(i)` are `[1, n]`); an `Eigen::Tensor<T, N>` is its N dimensions in index order.
+/// As in an Eigen assignment, `[n]` is the same shape as `[n, 1]` and `[]` as `[1, 1]`
+/// (`canonical_shape`): an `n x 1` matrix gradient is accepted for a `VectorXf` parameter.
+/// Results keep the parameter's shape and show as row-major matrices (`[n]` as `n x 1`, a rank
+/// above 2 as `d0 x (d1 · d2 · ...)`, its row-major flattening).
+///
+/// @code
+/// params.add("fc.bias", bias);                       // Eigen::VectorXf: shape [n]
+/// grads.insert("fc.weight", dW.block(0, 0, 2, 3));   // read in place, strided
+/// grads.insert("fc.bias", 2.0F * db);                // evaluated once, here
+/// @endcode
 
+#include <array>
 #include <cstddef>
 #include <span>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <Eigen/Core>
 
 #include "gradaccum/backend.hpp"
 #include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
 #include "gradaccum/kernels.hpp"
 #include "gradaccum/shape.hpp"
+#include "gradaccum/strided_view.hpp"
 #include "gradaccum/type_list.hpp"
 
 namespace gradaccum {
@@ -36,26 +68,118 @@ struct eigen_cpu_device {
   friend constexpr bool operator==(eigen_cpu_device, eigen_cpu_device) noexcept { return true; }
 };
 
-/// @brief Traits that adapt dense, column-major Eigen matrices to `tensor_backend`.
+namespace detail {
+
+using eigen_elements = type_list<Eigen::half, Eigen::bfloat16, float, double>;
+
+template <class X>
+concept eigen_dense =
+    std::is_base_of_v<Eigen::DenseBase<X>, X> && list_contains<typename X::Scalar, eigen_elements>::value;
+
+template <class X>
+concept eigen_direct = eigen_dense<X> && (int{X::Flags} & int{Eigen::DirectAccessBit}) != 0;
+
+/// An object of the Tensor module with storage (`Eigen::Tensor`, `TensorFixedSize`, `TensorMap`),
+/// recognized by its members so that this header needs the Tensor module only if the caller uses it.
+template <class X>
+concept eigen_tensor_storage = requires(const X& x) {
+  typename X::Scalar;
+  typename X::Dimensions;
+  X::NumIndices;
+  X::Layout;
+  { x.data() } -> std::convertible_to<const typename X::Scalar*>;
+  x.dimensions();
+} && list_contains<typename X::Scalar, eigen_elements>::value;
+
+/// Matrices, arrays and tensors own their storage; maps and blocks do not. A `Ref` may (a
+/// `Ref<const M>` bound to an expression holds its evaluation), so a temporary one counts as owning.
+template <class X>
+concept eigen_owning = std::is_base_of_v<Eigen::PlainObjectBase<X>, X> || std::is_base_of_v<Eigen::RefBase<X>, X> ||
+                       (eigen_tensor_storage<X> && !requires { typename X::StorageRefType; });
+
+}  // namespace detail
+
+/// @brief Traits that adapt dense Eigen objects to `serializable_backend` (see the file comment).
 ///
-/// A matrix has shape [rows, cols]. Sums and records hold values row-major, so a record written
-/// here restores into any other backend with the same shapes; results are handed out as
-/// `Eigen::Map`s of row-major matrices over the window's buffer, which any Eigen expression
-/// takes (`w -= lr * *g`).
+/// Sums and records hold values row-major, so a record written here restores into any other
+/// backend with the same shapes; results are handed out as `Eigen::Map`s of row-major matrices
+/// over the window's buffer, which any Eigen expression takes (`w -= lr * *g`).
 struct eigen_backend {
   using device_type = eigen_cpu_device;
-  using element_types = type_list<Eigen::half, Eigen::bfloat16, float, double>;
+  using element_types = detail::eigen_elements;
   template <class T>
   using tensor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+  /// Caller memory of any layout, read in place.
   template <class T>
-  using view = Eigen::Map<const tensor<T>>;
+  using view = strided_view<const T>;
   /// A result: row-major values of the window's buffer, read in place.
   template <class W>
   using result_view = Eigen::Map<const Eigen::Matrix<W, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
 
-  template <class X>
-  static tensor_shape shape(const X& x) {
+  /// @brief The view of a dense object with direct access: `[n]` for a column vector type, else
+  /// `[rows, cols]`, with its row and column strides.
+  template <detail::eigen_direct X>
+  static view<typename X::Scalar> view_of(const X& x) noexcept {
+    const auto rows = static_cast<std::size_t>(x.rows());
+    if constexpr (X::ColsAtCompileTime == 1) {
+      return {x.data(), tensor_shape{rows}, {static_cast<std::ptrdiff_t>(x.innerStride())}};
+    } else {
+      return {x.data(), tensor_shape{rows, static_cast<std::size_t>(x.cols())},
+              {static_cast<std::ptrdiff_t>(x.rowStride()), static_cast<std::ptrdiff_t>(x.colStride())}};
+    }
+  }
+
+  /// @brief The view of an `Eigen::Tensor` or `Eigen::TensorMap`: its dimensions in index order.
+  /// @throws error(errc::invalid_record) for a rank above `gradaccum::max_rank`.
+  template <detail::eigen_tensor_storage X>
+  static view<typename X::Scalar> view_of(const X& x) {
+    constexpr std::size_t rank = X::NumIndices;
+    std::array<std::size_t, rank> dims{};
+    std::array<std::ptrdiff_t, rank> strides{};
+    std::ptrdiff_t stride = 1;
+    for (std::size_t k = 0; k < rank; ++k) {
+      // Column-major storage runs over the first index fastest, row-major over the last.
+      const std::size_t axis = int{X::Layout} == int{Eigen::RowMajor} ? rank - 1 - k : k;
+      dims[axis] = static_cast<std::size_t>(x.dimension(static_cast<Eigen::Index>(axis)));
+      strides[axis] = stride;
+      stride *= static_cast<std::ptrdiff_t>(dims[axis]);
+    }
+    return {x.data(), tensor_shape(std::span<const std::size_t>(dims)), std::span<const std::ptrdiff_t>(strides)};
+  }
+
+  /// @brief Any other dense object, as the file comment says: a view of storage, a copy of a
+  /// temporary that owns its storage, or an evaluated expression.
+  template <class Y, class X = std::remove_cvref_t<Y>>
+    requires detail::eigen_dense<X> || detail::eigen_tensor_storage<X>
+  static auto adapt(Y&& y) {
+    if constexpr (detail::eigen_tensor_storage<X>) {
+      static_assert(std::is_lvalue_reference_v<Y> || !detail::eigen_owning<X>,
+                    "gradaccum::eigen_backend: a temporary Eigen::Tensor would dangle; keep it in a variable "
+                    "(it is then read in place)");
+      return view_of(y);
+    } else if constexpr (detail::eigen_direct<X> && (std::is_lvalue_reference_v<Y> || !detail::eigen_owning<X>)) {
+      return view_of(y);
+    } else {
+      return tensor<typename X::Scalar>(std::forward<Y>(y));
+    }
+  }
+
+  /// Vectors are columns, as in Eigen: `[n]` is `[n, 1]` and `[]` is `[1, 1]`.
+  static tensor_shape canonical_shape(const tensor_shape& s) {
+    switch (s.rank()) {
+      case 0: return {1, 1};
+      case 1: return {s[0], 1};
+      default: return s;
+    }
+  }
+
+  template <class T>
+  static tensor_shape shape(const tensor<T>& x) {
     return {static_cast<std::size_t>(x.rows()), static_cast<std::size_t>(x.cols())};
+  }
+  template <class T>
+  static tensor_shape shape(const view<T>& x) noexcept {
+    return x.shape();
   }
 
   template <class X>
@@ -63,15 +187,14 @@ struct eigen_backend {
     return {};
   }
 
-  /// acc += scale · W(g), acc row-major: one pass for vectors, a tiled transpose otherwise.
-  template <class W, class X>
-  static void add_scaled(std::span<W> acc, const X& g, W scale) noexcept {
-    if (g.rows() <= 1 || g.cols() <= 1) {
-      kernels::add_scaled(acc.data(), g.data(), acc.size(), scale);
-    } else {
-      kernels::add_scaled_transposed(acc.data(), g.data(), static_cast<std::size_t>(g.rows()),
-                                     static_cast<std::size_t>(g.cols()), scale);
-    }
+  /// acc (row-major) += scale · W(g): one pass for vectors, a tiled transpose otherwise.
+  template <class W, class T>
+  static void add_scaled(std::span<W> acc, const tensor<T>& g, W scale) noexcept {
+    gradaccum::add_scaled(acc, view_of(g), scale);
+  }
+  template <class W, class T>
+  static void add_scaled(std::span<W> acc, const view<T>& g, W scale) noexcept {
+    gradaccum::add_scaled(acc, g, scale);
   }
 
   template <class W>
@@ -81,16 +204,24 @@ struct eigen_backend {
   }
 
   /// An owned copy in element type W (the identity for W equal to the input's type).
-  template <class W, class X>
-  static tensor<W> convert(const X& x) {
+  template <class W, class T>
+  static tensor<W> convert(const tensor<T>& x) {
     tensor<W> out(x.rows(), x.cols());
-    using T = typename X::Scalar;
     if constexpr (std::is_same_v<T, W>) {
       out = x;
     } else {
       kernels::convert(out.data(), x.data(), static_cast<std::size_t>(x.size()));
     }
     return out;
+  }
+  /// A view's values as a row-major matrix (see `map` for shapes of rank other than 2).
+  template <class W, class T>
+  static tensor<W> convert(const view<T>& x) {
+    std::vector<W> values(x.size());
+    copy_row_major(x, std::span<W>(values));
+    const auto [rows, cols] = rows_cols(x.shape());
+    return Eigen::Map<const Eigen::Matrix<W, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(values.data(), rows,
+                                                                                               cols);
   }
 
   /// Copies to row-major order: out[r * cols + c] = t(r, c).
@@ -99,8 +230,13 @@ struct eigen_backend {
     Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(out.data(), t.rows(), t.cols()) = t;
   }
 
+  /// @throws error(errc::parameter_mismatch) for a rank above 2, which a matrix cannot hold.
   template <class T>
   static tensor<T> from_row_major(std::span<const T> values, const tensor_shape& s, const device_type& /*device*/) {
+    if (s.rank() > 2) {
+      detail::fail(errc::parameter_mismatch,
+                   "an Eigen matrix cannot hold a tensor of shape " + s.to_string() + "; accumulate it instead.");
+    }
     const auto [rows, cols] = rows_cols(s);
     return Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(values.data(), rows,
                                                                                                cols);
@@ -113,11 +249,9 @@ struct eigen_backend {
   };
   static extent rows_cols(const tensor_shape& s) noexcept {
     const auto dim = [&](std::size_t axis) { return static_cast<Eigen::Index>(s[axis]); };
-    switch (s.rank()) {
-      case 0: return {1, 1};
-      case 1: return {dim(0), 1};
-      default: return {dim(0), dim(1)};
-    }
+    Eigen::Index rest = 1;
+    for (std::size_t axis = 1; axis < s.rank(); ++axis) rest *= dim(axis);
+    return s.rank() == 0 ? extent{1, 1} : extent{dim(0), rest};
   }
 };
 

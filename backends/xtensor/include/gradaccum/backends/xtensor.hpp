@@ -2,23 +2,29 @@
 /// @file
 /// @brief xtensor backend: `gradaccum::xtensor_backend`.
 ///
-/// xtensor already gives dense, row-major `xt::xarray<T>` containers of any element type and
-/// `xt::adapt` views of caller memory. This header adds the traits that let the core accumulate
-/// them: gradients are `xt::xarray<T>` or read-only `xt::adapt` views (`xtensor_backend::view<T>`,
-/// read in place, no copy), for T in `float`, `double` and the two 16-bit storage types below.
-/// The fused convert-scale-add runs the core's kernels on the raw storage, so the arithmetic is
-/// the same instruction for instruction as every other CPU backend's (bit-identical results),
-/// with or without xsimd.
+/// xtensor already gives containers of any element type, rank and layout, `xt::adapt` views of
+/// caller memory, strided views and lazy expressions. This header adds the traits that let the
+/// core accumulate them: containers and strided views are read in place through their strides,
+/// other expressions are evaluated once at insert (see `xtensor_backend`), for element types
+/// `float`, `double` and the two 16-bit storage types below. The fused convert-scale-add runs the
+/// core's kernels on the raw storage, so the arithmetic is the same instruction for instruction
+/// as every other CPU backend's (bit-identical results), with or without xsimd.
+///
+/// @code
+/// params.add("conv.weight", kernel);                                  // xt::xtensor<float, 4>
+/// grads.insert("fc.weight", xt::transpose(dW));                       // read in place, strided
+/// grads.insert("fc.bias", 2.0F * db);                                 // evaluated once, here
+/// grads.insert("emb", gradaccum::xtensor_backend::view_of(ptr, {n, d}));  // row-major memory
+/// @endcode
 ///
 /// Works with xtensor 0.24/0.25 (flat `<xtensor/xarray.hpp>`) and 0.26+ (headers moved into
 /// `<xtensor/containers/...>`).
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <numeric>
 #include <span>
 #include <type_traits>
 
@@ -32,6 +38,7 @@
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/kernels.hpp"
 #include "gradaccum/shape.hpp"
+#include "gradaccum/strided_view.hpp"
 #include "gradaccum/type_list.hpp"
 
 namespace gradaccum {
@@ -68,12 +75,48 @@ struct xtensor_cpu_device {
   friend constexpr bool operator==(xtensor_cpu_device, xtensor_cpu_device) noexcept = default;
 };
 
-/// @brief Traits that adapt dense row-major xtensor arrays to `serializable_backend`.
+namespace detail {
+
+template <class S>
+struct borrowed_storage : std::is_reference<S> {};
+template <class CP, class A>
+struct borrowed_storage<xt::xbuffer_adaptor<CP, xt::no_ownership, A>> : std::true_type {};
+
+/// A container that owns its values (`xt::xarray`, `xt::xtensor`, `xt::xtensor_fixed`, an
+/// adaptor that took ownership); views and adaptors of borrowed memory do not.
+template <class X>
+concept xtensor_owning = std::is_base_of_v<xt::xcontainer<X>, X> && !borrowed_storage<typename X::storage_type>::value;
+
+template <class X, class List>
+concept xtensor_input = xt::is_xexpression<X>::value && list_contains<typename X::value_type, List>::value;
+
+/// Containers, adaptors and strided views: values reachable through `data() + data_offset()` and
+/// element strides.
+template <class X>
+concept xtensor_strided = requires(const X& x) {
+  x.data() + x.data_offset();
+  x.strides().size();
+  x.shape().size();
+};
+
+}  // namespace detail
+
+/// @brief Traits that adapt xtensor containers, views and expressions to `serializable_backend`.
 ///
-/// Any rank up to `gradaccum::max_rank`; a rank-0 array holds one value. Storage is row-major
-/// (the layout is fixed here rather than taken from `XTENSOR_DEFAULT_LAYOUT`), so record values
-/// are a plain copy of the storage, and tensors and views always agree element for element.
-/// Results are handed out as `view<W>`s of the window's buffer.
+/// Any rank up to `gradaccum::max_rank`; a rank-0 array holds one value. Owned tensors are
+/// row-major `xt::xarray`s (the layout is fixed here rather than taken from
+/// `XTENSOR_DEFAULT_LAYOUT`), so record values are a plain copy of the storage. Everything else
+/// goes in through `adapt`:
+/// - a container of another type or layout (`xt::xtensor<T, N>`, `xt::xtensor_fixed`, a
+///   column-major `xt::xarray`), an `xt::adapt` of const or mutable memory, and a strided view
+///   (`xt::view` of ranges, `xt::transpose`, `xt::strided_view`) are read in place through their
+///   strides (`view<T>`, a `gradaccum::strided_view`); the memory must outlive the accumulation
+///   call. A temporary container is copied into a `tensor<T>` instead;
+/// - any other expression (`2.0F * h`, `xt::ones<float>({2, 3})`) is evaluated once, at insert,
+///   into a `tensor<T>`.
+///
+/// Shapes are xtensor's own. Results are handed out as `result_view<W>`s (`xt::adapt`s) of the
+/// window's buffer, so they take part in xtensor expressions.
 struct xtensor_backend {
   using device_type = xtensor_cpu_device;
   using element_types = type_list<f16_bits, bf16_bits, float, double>;
@@ -85,27 +128,56 @@ struct xtensor_backend {
   /// The shape container of `tensor<T>` (inline storage up to rank 4, so no allocation).
   using shape_type = typename tensor<float>::shape_type;
 
-  /// @brief A read-only view of caller memory, read in place by every operation.
-  ///
-  /// Exactly the type of `xt::adapt(pointer, size, xt::no_ownership(), shape)` for a `const T*`
-  /// prvalue pointer and a `shape_type` shape; `view_of` builds one without those details.
+  /// Caller memory of any layout, read in place.
   template <class T>
-  using view = xt::xarray_adaptor<xt::xbuffer_adaptor<const T*, xt::no_ownership, std::allocator<T>>,
-                                  xt::layout_type::row_major, shape_type>;
+  using view = strided_view<const T>;
+
+  /// @brief A result: exactly the type of `xt::adapt(pointer, size, xt::no_ownership(), shape)`
+  /// for a `const W*` prvalue pointer and a `shape_type` shape.
+  template <class W>
+  using result_view = xt::xarray_adaptor<xt::xbuffer_adaptor<const W*, xt::no_ownership, std::allocator<W>>,
+                                         xt::layout_type::row_major, shape_type>;
 
   /// @brief A view of the row-major values at `data` with dimensions `dims`; `data` must hold
   /// the product of `dims` elements and outlive every use of the view.
+  /// @throws error(errc::invalid_record) for a rank above `gradaccum::max_rank`.
   template <class T>
   static view<T> view_of(const T* data, const shape_type& dims) {
-    const std::size_t count = std::accumulate(dims.begin(), dims.end(), std::size_t{1}, std::multiplies<>());
-    return view<T>(typename view<T>::storage_type(data, count), dims);
+    return {data, tensor_shape(std::span<const std::size_t>(dims.data(), dims.size()))};
   }
 
+  /// @brief The view of a container, adaptor or strided view, through its strides.
   /// @throws error(errc::invalid_record) for a rank above `gradaccum::max_rank`.
-  template <class X>
-  static tensor_shape shape(const X& x) {
+  template <detail::xtensor_strided X>
+  static view<typename X::value_type> view_of(const X& x) {
+    std::array<std::size_t, max_rank + 1> dims{};
+    std::array<std::ptrdiff_t, max_rank + 1> strides{};
+    const std::size_t rank = std::min<std::size_t>(x.shape().size(), max_rank + 1);
+    std::copy_n(x.shape().begin(), rank, dims.begin());
+    std::copy_n(x.strides().begin(), rank, strides.begin());
+    return {x.data() + x.data_offset(), tensor_shape(std::span<const std::size_t>(dims.data(), rank)),
+            std::span<const std::ptrdiff_t>(strides.data(), rank)};
+  }
+
+  /// @brief Any other xtensor expression, as the class comment says.
+  template <class Y, class X = std::remove_cvref_t<Y>>
+    requires detail::xtensor_input<X, element_types>
+  static auto adapt(Y&& y) {
+    if constexpr (detail::xtensor_strided<X> && (std::is_lvalue_reference_v<Y> || !detail::xtensor_owning<X>)) {
+      return view_of(y);
+    } else {
+      return tensor<typename X::value_type>(std::forward<Y>(y));
+    }
+  }
+
+  template <class T>
+  static tensor_shape shape(const tensor<T>& x) {
     const auto& dims = x.shape();
     return tensor_shape(std::span<const std::size_t>(dims.data(), dims.size()));
+  }
+  template <class T>
+  static tensor_shape shape(const view<T>& x) noexcept {
+    return x.shape();
   }
 
   template <class X>
@@ -114,26 +186,36 @@ struct xtensor_backend {
   }
 
   /// acc += scale · W(g), one pass over contiguous storage (both row-major).
-  template <class W, class X>
-  static void add_scaled(std::span<W> acc, const X& g, W scale) noexcept {
+  template <class W, class T>
+  static void add_scaled(std::span<W> acc, const tensor<T>& g, W scale) noexcept {
     kernels::add_scaled(acc.data(), g.data(), acc.size(), scale);
   }
+  /// acc += scale · W(g) through g's strides (one pass when they are row-major).
+  template <class W, class T>
+  static void add_scaled(std::span<W> acc, const view<T>& g, W scale) noexcept {
+    gradaccum::add_scaled(acc, g, scale);
+  }
 
-  /// A result: a view of the window's buffer.
   template <class W>
-  static view<W> map(std::span<const W> values, const tensor_shape& s, const device_type& /*device*/) {
-    return view_of(values.data(), to_shape_type(s));
+  static result_view<W> map(std::span<const W> values, const tensor_shape& s, const device_type& /*device*/) {
+    return result_view<W>(typename result_view<W>::storage_type(values.data(), values.size()), to_shape_type(s));
   }
 
   /// An owned copy in element type W (a plain copy when W is the input's element type).
-  template <class W, class X>
-  static tensor<W> convert(const X& x) {
+  template <class W, class T>
+  static tensor<W> convert(const tensor<T>& x) {
     tensor<W> out(x.shape());
-    if constexpr (std::is_same_v<typename X::value_type, W>) {
+    if constexpr (std::is_same_v<T, W>) {
       std::copy_n(x.data(), x.size(), out.data());
     } else {
       kernels::convert(out.data(), x.data(), x.size());
     }
+    return out;
+  }
+  template <class W, class T>
+  static tensor<W> convert(const view<T>& x) {
+    tensor<W> out(to_shape_type(x.shape()));
+    copy_row_major(x, std::span<W>(out.data(), out.size()));
     return out;
   }
 

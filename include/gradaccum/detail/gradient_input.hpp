@@ -1,0 +1,149 @@
+#pragma once
+/// @file
+/// @brief What goes in as a parameter or gradient: `gradients_params::insert` and
+/// `parameter_set::add` take any `X` for which `gradient_input<B, X>` holds, as
+/// `as_alternative<B>(id, x)`: a `tensor<T>` or `view<T>` of B. In this order:
+///
+/// 1. a `tensor<T>` or `view<T>` of B, as it is;
+/// 2. what the backend's optional `static auto adapt(X&&)` returns (its own library's objects:
+///    blocks, other layouts, expressions);
+/// 3. for an lvalue, a `view<T>` it converts to (read in place); then a `tensor<T>` it converts
+///    to (a derived type, an expression the tensor type is built from; evaluated here). An
+///    rvalue tries the tensor first: a view of a temporary would dangle.
+///
+/// T is X's own element type when X names one (`Scalar`, `value_type` or `elem_type`), so a
+/// conversion never changes element types. Anything else gets one static_assert that names
+/// the way out (`reject_input`).
+
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "gradaccum/backend.hpp"
+#include "gradaccum/detail/variant.hpp"
+#include "gradaccum/error.hpp"
+#include "gradaccum/type_list.hpp"
+
+namespace gradaccum::detail {
+
+template <class X>
+struct declared_element {
+  using type = void;
+};
+template <class X>
+  requires requires { typename X::Scalar; }
+struct declared_element<X> {
+  using type = typename X::Scalar;
+};
+template <class X>
+  requires(!requires { typename X::Scalar; } && requires { typename X::value_type; })
+struct declared_element<X> {
+  using type = typename X::value_type;
+};
+template <class X>
+  requires(!requires { typename X::Scalar; } && !requires { typename X::value_type; } &&
+           requires { typename X::elem_type; })
+struct declared_element<X> {
+  using type = typename X::elem_type;
+};
+
+/// The element types X may convert to: its own if it names one, else all of B's.
+template <class B, class X, class E = typename declared_element<std::remove_cvref_t<X>>::type>
+using candidate_elements = std::conditional_t<
+    std::is_void_v<E>, typename B::element_types,
+    std::conditional_t<list_contains<E, typename B::element_types>::value, type_list<E>, type_list<>>>;
+
+template <class A, class B>
+concept alternative_of = is_gradient_alternative<B, A>;
+
+template <class B, class X>
+concept has_adapt = requires(X&& x) {
+  { B::adapt(std::forward<X>(x)) } -> alternative_of<B>;
+};
+
+template <class B, class T, bool View>
+struct target_type {
+  using type = typename B::template tensor<T>;
+};
+template <class B, class T>
+struct target_type<B, T, true> {
+  using type = typename B::template view<T>;
+};
+
+template <class B, class X, bool View, class List>
+struct conversion_target {
+  using type = void;
+};
+template <class B, class X, bool View, class T, class... Ts>
+struct conversion_target<B, X, View, type_list<T, Ts...>> {
+  static constexpr bool converts = [] {
+    if constexpr (View && has_views<B>) {
+      return std::is_convertible_v<X, typename B::template view<T>>;
+    } else if constexpr (!View) {
+      return std::is_convertible_v<X, typename B::template tensor<T>>;
+    } else {
+      return false;
+    }
+  }();
+  using type = typename std::conditional_t<converts, target_type<B, T, View>,
+                                           conversion_target<B, X, View, type_list<Ts...>>>::type;
+};
+
+/// The view or tensor type X converts to (rule 3), else void.
+template <class B, class X, class Elements = candidate_elements<B, X>,
+          class View = typename conversion_target<B, X, true, Elements>::type,
+          class Tensor = typename conversion_target<B, X, false, Elements>::type>
+using converted_type =
+    std::conditional_t<std::is_lvalue_reference_v<X>, std::conditional_t<std::is_void_v<View>, Tensor, View>,
+                       std::conditional_t<std::is_void_v<Tensor>, View, Tensor>>;
+
+/// @brief Whether `X` (a forwarding reference type) can be a parameter or gradient of B.
+template <class B, class X>
+concept gradient_input = is_gradient_alternative<B, X> || has_adapt<B, X> || !std::is_void_v<converted_type<B, X>>;
+
+/// The tensor or view that `x` goes in as (see the file comment).
+template <class B, class X>
+  requires gradient_input<B, X>
+decltype(auto) to_alternative(X&& x) {
+  if constexpr (is_gradient_alternative<B, X>) {
+    return std::forward<X>(x);
+  } else if constexpr (has_adapt<B, X>) {
+    return B::adapt(std::forward<X>(x));
+  } else {
+    return converted_type<B, X>(std::forward<X>(x));
+  }
+}
+
+/// `to_alternative`, with a shape the backend cannot represent (a rank above `max_rank`) reported
+/// as `parameter_mismatch` naming `id`.
+template <class B, class X>
+  requires gradient_input<B, X>
+decltype(auto) as_alternative(std::string_view id, X&& x) {
+  try {
+    return to_alternative<B>(std::forward<X>(x));
+  } catch (const error& problem) {
+    if (problem.code() != errc::invalid_record) throw;
+    fail(errc::parameter_mismatch, "tensor '" + std::string(id) + "' cannot be used: " + problem.what(),
+         std::string(id));
+  }
+}
+
+/// The type `x` is stored as.
+template <class B, class X>
+using alternative_t = std::remove_cvref_t<decltype(to_alternative<B>(std::declval<X>()))>;
+
+template <class X>
+inline constexpr bool refused_input = false;
+
+/// The one diagnostic for a type that cannot go in; the instantiation note names X.
+template <class B, class X>
+void reject_input() {
+  static_assert(refused_input<X>,
+                "gradaccum: this type cannot be a parameter or gradient of the backend (see X in the note "
+                "below): evaluate it into the backend's tensor<T> (T one of its element_types), or make it "
+                "convertible to the backend's view<T> or tensor<T>, or give the backend a "
+                "`static auto adapt(X&&)` that returns one");
+}
+
+}  // namespace gradaccum::detail

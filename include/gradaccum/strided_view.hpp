@@ -1,0 +1,109 @@
+#pragma once
+/// @file
+/// @brief `strided_view<T>`: caller memory of any rank read in place through element strides.
+///
+/// @code
+/// // A 2 x 3 block of a column-major 4 x 5 matrix m: element (r, c) is at m + r + 4 * c.
+/// gradaccum::strided_view<const float> block(m, {2, 3}, {1, 4});
+/// gradaccum::add_scaled(acc, block, 2.0F);   // acc (row-major, 6 elements) += 2 · block
+/// gradaccum::copy_row_major(block, out);      // out = block, row-major
+/// @endcode
+///
+/// Host backends use `strided_view<const T>` as their `view<T>`: one type per element type,
+/// whatever the layout of the caller's object (row- or column-major, a block, a transpose, a
+/// strided slice), keeps the variant of stored gradients small, and its `add_scaled` takes the
+/// contiguous kernel whenever the strides allow it, so every layout gives the same bits.
+
+#include <array>
+#include <cstddef>
+#include <initializer_list>
+#include <span>
+#include <type_traits>
+
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/kernels.hpp"
+#include "gradaccum/shape.hpp"
+
+namespace gradaccum {
+
+/// @brief A view of `shape` elements at `data`: element (i0, ..., ik) is
+/// `data[i0 · strides[0] + ... + ik · strides[k]]` (strides in elements, possibly negative or 0).
+///
+/// It never owns: the memory must outlive every use of the view.
+template <class T>
+class strided_view {
+ public:
+  using element_type = T;
+  using value_type = std::remove_cv_t<T>;
+
+  constexpr strided_view() noexcept = default;
+
+  /// Row-major contiguous values.
+  constexpr strided_view(T* data, const tensor_shape& shape) noexcept : data_(data), shape_(shape) {
+    std::ptrdiff_t stride = 1;
+    for (std::size_t axis = shape.rank(); axis-- > 0;) {
+      strides_[axis] = stride;
+      stride *= static_cast<std::ptrdiff_t>(shape[axis]);
+    }
+  }
+
+  /// Precondition: `strides.size() == shape.rank()`.
+  constexpr strided_view(T* data, const tensor_shape& shape, std::span<const std::ptrdiff_t> strides) noexcept
+      : data_(data), shape_(shape) {
+    for (std::size_t axis = 0; axis < shape.rank(); ++axis) strides_[axis] = strides[axis];
+  }
+  constexpr strided_view(T* data, const tensor_shape& shape, std::initializer_list<std::ptrdiff_t> strides) noexcept
+      : strided_view(data, shape, std::span(strides.begin(), strides.size())) {}
+
+  /// A view of mutable memory is also a read-only view.
+  template <class U>
+    requires std::is_same_v<const U, T> && (!std::is_same_v<U, T>)
+  constexpr strided_view(const strided_view<U>& other) noexcept  // NOLINT(google-explicit-constructor)
+      : strided_view(other.data(), other.shape(), other.strides()) {}
+
+  [[nodiscard]] constexpr T* data() const noexcept { return data_; }
+  [[nodiscard]] constexpr const tensor_shape& shape() const noexcept { return shape_; }
+  [[nodiscard]] constexpr std::span<const std::ptrdiff_t> strides() const noexcept {
+    return {strides_.data(), shape_.rank()};
+  }
+  [[nodiscard]] constexpr std::size_t size() const noexcept { return *shape_.checked_element_count(); }
+
+ private:
+  T* data_ = nullptr;
+  tensor_shape shape_;
+  std::array<std::ptrdiff_t, max_rank> strides_{};
+};
+
+/// @brief `acc[i] = acc[i] + scale · W(g[i])` over g's elements in row-major order, with the
+/// arithmetic of `kernels::add_scaled` (see `kernels::add_scaled_strided`).
+template <class W, class T>
+void add_scaled(std::span<W> acc, const strided_view<T>& g, W scale) noexcept {
+  kernels::add_scaled_strided(acc.data(), g.data(), g.shape().dims(), g.strides(), scale);
+}
+
+/// @brief `out[i] = U(g[i])` over g's elements in row-major order; `out.size()` is `g.size()`.
+/// `U` is g's element type (a copy) or a work type (an exact conversion, F64 → F32 rounding).
+template <class U, class T>
+void copy_row_major(const strided_view<T>& g, std::span<U> out) noexcept {
+  const std::size_t rank = g.shape().rank();
+  if (out.empty()) return;
+  std::array<std::size_t, max_rank> index{};
+  std::ptrdiff_t offset = 0;
+  for (U& value : out) {
+    if constexpr (std::is_same_v<U, std::remove_cv_t<T>>) {
+      value = g.data()[offset];
+    } else {
+      value = kernels::to_work<U>(g.data()[offset]);
+    }
+    for (std::size_t axis = rank; axis-- > 0;) {
+      if (++index[axis] < g.shape()[axis]) {
+        offset += g.strides()[axis];
+        break;
+      }
+      offset -= g.strides()[axis] * static_cast<std::ptrdiff_t>(g.shape()[axis] - 1);
+      index[axis] = 0;
+    }
+  }
+}
+
+}  // namespace gradaccum

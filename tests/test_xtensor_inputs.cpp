@@ -1,0 +1,285 @@
+// What goes into the xtensor backend as a parameter or gradient: containers of any type and
+// layout, adaptors of const and mutable memory, strided views (read in place through their
+// strides) and expressions (evaluated once, at insert), each giving the same bits as the plain
+// row-major xt::xarray holding the same values. Also reading in place, shape refusals and no
+// allocation in steady state.
+#include <cstddef>
+#include <cstring>
+#include <vector>
+
+#include <doctest/doctest.h>
+#if __has_include(<xtensor/containers/xtensor.hpp>)
+#include <xtensor/containers/xadapt.hpp>
+#include <xtensor/containers/xfixed.hpp>
+#include <xtensor/containers/xtensor.hpp>
+#include <xtensor/generators/xbuilder.hpp>
+#include <xtensor/misc/xmanipulation.hpp>
+#include <xtensor/views/xstrided_view.hpp>
+#include <xtensor/views/xview.hpp>
+#else
+#include <xtensor/xadapt.hpp>
+#include <xtensor/xbuilder.hpp>
+#include <xtensor/xfixed.hpp>
+#include <xtensor/xmanipulation.hpp>
+#include <xtensor/xstrided_view.hpp>
+#include <xtensor/xtensor.hpp>
+#include <xtensor/xview.hpp>
+#endif
+
+#include <gradaccum/backends/xtensor.hpp>
+#include <gradaccum/gradaccum.hpp>
+
+#include "alloc_failure.hpp"
+
+namespace gradaccum::test {
+namespace {
+
+using B = xtensor_backend;
+
+/// A row-major array of `shape` holding 0.1 · (1 + i) at row-major position i.
+xt::xarray<float> counting(const std::vector<std::size_t>& shape) {
+  xt::xarray<float> a = xt::xarray<float>::from_shape(shape);
+  for (std::size_t i = 0; i < a.size(); ++i) a.data()[i] = 0.1F * static_cast<float>(i + 1);
+  return a;
+}
+
+template <class E>
+std::vector<float> row_major_of(const E& e) {
+  const xt::xarray<float> a = e;
+  return {a.data(), a.data() + a.size()};
+}
+
+std::vector<float> expected_mean(const std::vector<float>& g) {
+  std::vector<float> out;
+  for (const float x : g) {
+    float p = 0.0F + 1.0F * x;
+    p = p + 2.0F * x;
+    out.push_back(p / 2.0F / 5.0F);
+  }
+  return out;
+}
+
+/// Sum (weight 3) then mean (weight 2) of one gradient under loss scale 2, finished.
+std::vector<float> window_result(const parameter_set<B>& params, const gradients_params<B>& grads,
+                                 const std::vector<float>& g) {
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 2.0);
+  window.accumulate_sum(params, grads, 3.0);
+  const std::span<const float> pending = window.pending().values<float>("p");
+  CHECK(std::vector<float>(pending.begin(), pending.end()) == g);
+  window.accumulate_mean(params, grads, 2.0);
+  const auto result = window.finish_mean(params);
+  const std::span<const float> values = result.gradients.values<float>("p");
+  return {values.begin(), values.end()};
+}
+
+template <class P, class G>
+void check_kind(const P& param, G&& grad, const tensor_shape& shape, const std::vector<float>& g) {
+  parameter_set<B> params;
+  params.add("p", param);
+  CHECK(params[0].shape == shape);
+  gradients_params<B> grads;
+  grads.insert("p", std::forward<G>(grad));
+  const std::vector<float> ours = window_result(params, grads, g);
+  CHECK(ours == expected_mean(g));
+
+  gradients_params<B> plain;
+  plain.insert("p", B::from_row_major<float>(g, shape, {}));
+  const std::vector<float> reference = window_result(params, plain, g);
+  CHECK(std::memcmp(ours.data(), reference.data(), ours.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("containers of any type, rank and layout are read in place") {
+  const xt::xarray<float> a = counting({2, 3});
+  const auto g = row_major_of(a);
+  check_kind(a, a, tensor_shape{2, 3}, g);
+  const xt::xtensor<float, 2> t = a;
+  check_kind(t, t, tensor_shape{2, 3}, g);
+  const xt::xtensor_fixed<float, xt::xshape<2, 3>> f = a;
+  check_kind(f, f, tensor_shape{2, 3}, g);
+  const xt::xarray<float, xt::layout_type::column_major> cm = a;
+  check_kind(cm, cm, tensor_shape{2, 3}, g);
+  const xt::xtensor<float, 2, xt::layout_type::column_major> tcm = a;
+  check_kind(tcm, tcm, tensor_shape{2, 3}, g);
+  const xt::xtensor<float, 1> bias = {0.1F, 0.2F, 0.3F};
+  check_kind(bias, bias, tensor_shape{3}, {0.1F, 0.2F, 0.3F});
+  const xt::xarray<float> kernel = counting({2, 3, 4, 5});
+  const xt::xtensor<float, 4, xt::layout_type::column_major> kernel_cm = kernel;
+  check_kind(kernel, kernel_cm, tensor_shape{2, 3, 4, 5}, row_major_of(kernel));
+  const xt::xarray<float> scalar = 0.5F;
+  check_kind(scalar, scalar, tensor_shape{}, {0.5F});
+}
+
+TEST_CASE("adaptors of const and mutable memory, views, transposes and strided views") {
+  const xt::xarray<float> big = counting({4, 5});
+  SUBCASE("adaptors") {
+    std::vector<float> buffer{0.5F, 1.5F, 2.5F, 3.5F, 4.5F, 5.5F};
+    const std::vector<std::size_t> shape{2, 3};
+    auto mutable_memory = xt::adapt(buffer.data(), buffer.size(), xt::no_ownership(), shape);
+    check_kind(mutable_memory, mutable_memory, tensor_shape{2, 3}, buffer);
+    const auto const_memory =
+        xt::adapt(static_cast<const float*>(buffer.data()), buffer.size(), xt::no_ownership(), shape);
+    check_kind(const_memory, const_memory, tensor_shape{2, 3}, buffer);
+    auto of_vector = xt::adapt(buffer, shape);
+    check_kind(of_vector, of_vector, tensor_shape{2, 3}, buffer);
+  }
+  SUBCASE("a 2 x 3 view of a 4 x 5 array: element (0, 2) is big(1, 3)") {
+    const auto view = xt::view(big, xt::range(1, 3), xt::range(1, 4));
+    const auto g = row_major_of(view);
+    CHECK(g[2] == big(1, 3));
+    check_kind(view, view, tensor_shape{2, 3}, g);
+    const xt::xarray<float, xt::layout_type::column_major> big_cm = big;
+    check_kind(view, xt::view(big_cm, xt::range(1, 3), xt::range(1, 4)), tensor_shape{2, 3}, g);
+    check_kind(xt::view(big, 2), xt::view(big, 2), tensor_shape{5}, row_major_of(xt::view(big, 2)));
+    check_kind(xt::view(big, xt::all(), 1), xt::view(big, xt::all(), 1), tensor_shape{4},
+               row_major_of(xt::view(big, xt::all(), 1)));
+  }
+  SUBCASE("a transpose: element (0, 2) of the transpose of a 3 x 2 array is m(2, 0)") {
+    const xt::xarray<float> m = counting({3, 2});
+    const auto g = row_major_of(xt::transpose(m));
+    CHECK(g[2] == m(2, 0));
+    check_kind(xt::transpose(m), xt::transpose(m), tensor_shape{2, 3}, g);
+    const xt::xarray<float> kernel = counting({2, 3, 4, 5});
+    check_kind(xt::transpose(kernel), xt::transpose(kernel), tensor_shape{5, 4, 3, 2},
+               row_major_of(xt::transpose(kernel)));
+  }
+  SUBCASE("strided views, with steps and negative steps") {
+    const auto stepped = xt::strided_view(big, {xt::range(0, 4, 2), xt::range(4, xt::placeholders::_, -2)});
+    check_kind(stepped, stepped, tensor_shape{2, 3}, row_major_of(stepped));
+    const auto reversed = xt::view(big, xt::range(3, xt::placeholders::_, -1), xt::all());
+    check_kind(reversed, reversed, tensor_shape{4, 5}, row_major_of(reversed));
+  }
+}
+
+TEST_CASE("expressions are evaluated once, at insert") {
+  xt::xarray<float> h = counting({2, 3});
+  check_kind(h, 2.0F * h, tensor_shape{2, 3}, row_major_of(2.0F * h));
+  check_kind(h, xt::ones<float>({2, 3}), tensor_shape{2, 3}, std::vector<float>(6, 1.0F));
+
+  parameter_set<B> params;
+  params.add("p", h + 1.0F);
+  gradients_params<B> grads;
+  grads.insert("p", 3.0F * h);
+  const auto tripled = row_major_of(3.0F * h);
+  h.fill(0.0F);  // the operand changes after insert: the stored values do not
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  const auto pending = window.pending().values<float>("p");
+  CHECK(std::vector<float>(pending.begin(), pending.end()) == tripled);
+  CHECK(grads.get<float>("p") != nullptr);  // an owned tensor
+}
+
+TEST_CASE("a temporary container is copied at insert, not viewed") {
+  parameter_set<B> params;
+  params.add("t", xt::xtensor<float, 2>::from_shape({2, 3}));
+  params.add("f", xt::xtensor_fixed<float, xt::xshape<3>>{});
+  CHECK(params[1].shape == tensor_shape{3});
+  gradients_params<B> grads;
+  grads.insert("t", xt::xtensor<float, 2, xt::layout_type::column_major>(counting({2, 3})));
+  grads.insert("f", xt::xtensor_fixed<float, xt::xshape<3>>{1.0F, 2.0F, 3.0F});
+  CHECK(grads.get<float>("t") != nullptr);
+  CHECK(grads.get<float>("f") != nullptr);
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  const auto t = window.pending().values<float>("t");
+  CHECK(std::vector<float>(t.begin(), t.end()) == row_major_of(counting({2, 3})));
+  const auto f = window.pending().values<float>("f");
+  CHECK(std::vector<float>(f.begin(), f.end()) == std::vector<float>{1.0F, 2.0F, 3.0F});
+}
+
+TEST_CASE("in-place inputs are read when accumulated: later writes to the caller's memory are seen") {
+  xt::xarray<float> big = counting({4, 5});
+  xt::xtensor<float, 1> bias = {1.0F, 1.0F, 1.0F};
+  parameter_set<B> params;
+  params.add("view", xt::view(big, xt::range(1, 3), xt::range(1, 4)));
+  params.add("transpose", xt::transpose(big));
+  params.add("bias", bias);
+  gradients_params<B> grads;
+  grads.insert("view", xt::view(big, xt::range(1, 3), xt::range(1, 4)));
+  grads.insert("transpose", xt::transpose(big));
+  grads.insert("bias", bias);
+  CHECK(grads.get<float>("view") == nullptr);
+
+  big(1, 3) = 100.0F;  // element (0, 2) of the view, element (3, 1) of the transpose
+  bias(2) = 7.0F;
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  CHECK(window.pending().values<float>("view")[2] == 100.0F);
+  CHECK(window.pending().values<float>("transpose")[3 * 4 + 1] == 100.0F);
+  CHECK(window.pending().values<float>("bias")[2] == 7.0F);
+}
+
+TEST_CASE("16-bit gradients of any layout widen exactly, like their plain arrays") {
+  xt::xarray<f16_bits, xt::layout_type::column_major> bits = xt::xarray<f16_bits>::from_shape({2, 3});
+  const std::uint16_t patterns[] = {0x3c00, 0xc000, 0x0001, 0x7bff, 0x3555, 0x0400};  // row-major
+  for (std::size_t i = 0; i < 6; ++i) bits(i / 3, i % 3) = f16_bits{patterns[i]};
+  parameter_set<B> params;
+  params.add("p", xt::xarray<float>::from_shape({2, 3}));
+  gradients_params<B> grads;
+  grads.insert("p", bits);
+  weighted_gradients_accumulator<B> window(float_dtype::f64, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  const auto pending = window.pending().values<double>("p");
+  CHECK(pending[0] == 1.0);
+  CHECK(pending[1] == -2.0);
+  CHECK(pending[2] == 0x1p-24);
+  CHECK(pending[3] == 65504.0);
+}
+
+TEST_CASE("a gradient of another shape is refused, and nothing changes") {
+  const xt::xarray<float> big = counting({4, 5});
+  parameter_set<B> params;
+  params.add("w", xt::xtensor<float, 2>::from_shape({2, 3}));
+  params.add("b", xt::xtensor<float, 1>::from_shape({3}));
+  gradients_params<B> grads;
+  grads.insert("w", xt::view(big, xt::range(0, 2), xt::range(0, 3)));
+  grads.insert("b", xt::view(big, 0, xt::range(0, 3)));
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  const weighted_gradients_record before = window.try_to_record();
+  const auto refused = [&](const char* id, auto&& gradient) {
+    CAPTURE(id);
+    gradients_params<B> wrong = grads;
+    wrong.insert(id, gradient);
+    try {
+      window.accumulate_sum(params, wrong, 1.0);
+      FAIL("accepted");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::parameter_mismatch);
+      CHECK(e.param_id() == id);
+    }
+    const weighted_gradients_record after = window.try_to_record();
+    CHECK(after.state.microbatches == before.state.microbatches);
+    CHECK(std::get<std::vector<float>>(after.gradients.tensors[1].values) ==
+          std::get<std::vector<float>>(before.gradients.tensors[1].values));
+  };
+  refused("w", xt::transpose(xt::view(big, xt::range(0, 2), xt::range(0, 3))));
+  refused("w", xt::view(big, 0, xt::range(0, 6)));
+  refused("b", xt::view(big, xt::range(0, 1), xt::range(0, 3)));  // [1, 3] is not [3] here
+  refused("b", 2.0F * xt::view(big, 0, xt::range(0, 4)));
+}
+
+TEST_CASE("accumulating in-place views allocates nothing in steady state") {
+  const xt::xarray<float> big = counting({64, 48});
+  const xt::xtensor<float, 4, xt::layout_type::column_major> kernel = counting({4, 3, 3, 3});
+  parameter_set<B> params;
+  gradients_params<B> grads;
+  const auto view = xt::view(big, xt::range(1, 31), xt::range(2, 22));
+  const auto transposed = xt::transpose(big);
+  params.add("view", view);
+  params.add("transpose", transposed);
+  params.add("kernel", kernel);
+  grads.insert("view", view);
+  grads.insert("transpose", transposed);
+  grads.insert("kernel", kernel);
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_mean(params, grads, 2.0);  // lays out the buffer
+  CHECK(allocations_of([&] {
+          for (int i = 0; i < 3; ++i) {
+            window.accumulate_mean(params, grads, 2.0);
+            window.accumulate_sum(params, grads, 1.0);
+          }
+        }) == 0);
+}
+
+}  // namespace
+}  // namespace gradaccum::test
