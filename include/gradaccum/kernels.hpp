@@ -163,22 +163,41 @@ void add_scaled(W* __restrict acc, const T* __restrict g, std::size_t count, W s
 /// @brief `acc[r · acc_row + c] = acc[r · acc_row + c] + scale · W(g[r · row_stride + c · col_stride])`
 /// for a `rows × cols` plane, with the arithmetic of `add_scaled`.
 ///
-/// In tiles of 32 × 32, so both sides are read a cache line at a time whichever of g's strides
-/// is the small one.
+/// In tiles of 32 × 32: each tile of g is first copied as it is (no arithmetic) into a row-major
+/// scratch tile, walking g along its smaller stride, then added row by row with contiguous,
+/// vectorizable loops. Reading g across its strides in the adding loop instead makes compilers
+/// emit gathers, two to three times slower.
 template <class W, element_type T>
 void add_scaled_plane(W* __restrict acc, std::ptrdiff_t acc_row, const T* __restrict g, std::ptrdiff_t row_stride,
                       std::ptrdiff_t col_stride, std::size_t rows, std::size_t cols, W scale) noexcept {
   GRADACCUM_NO_FP_CONTRACT
   constexpr std::size_t tile = 32;
+  const bool rows_fast = (row_stride < 0 ? -row_stride : row_stride) < (col_stride < 0 ? -col_stride : col_stride);
+  T scratch[tile][tile];
   for (std::size_t r0 = 0; r0 < rows; r0 += tile) {
-    const std::size_t r1 = r0 + tile < rows ? r0 + tile : rows;
+    const std::size_t tile_rows = r0 + tile < rows ? tile : rows - r0;
     for (std::size_t c0 = 0; c0 < cols; c0 += tile) {
-      const std::size_t c1 = c0 + tile < cols ? c0 + tile : cols;
-      for (std::size_t r = r0; r < r1; ++r) {
-        W* out = acc + static_cast<std::ptrdiff_t>(r) * acc_row;
-        const T* in = g + static_cast<std::ptrdiff_t>(r) * row_stride;
-        for (std::size_t c = c0; c < c1; ++c) {
-          const W product = scale * to_work<W>(in[static_cast<std::ptrdiff_t>(c) * col_stride]);
+      const std::size_t tile_cols = c0 + tile < cols ? tile : cols - c0;
+      const T* in = g + static_cast<std::ptrdiff_t>(r0) * row_stride + static_cast<std::ptrdiff_t>(c0) * col_stride;
+      if (rows_fast) {
+        for (std::size_t c = 0; c < tile_cols; ++c) {
+          for (std::size_t r = 0; r < tile_rows; ++r) {
+            scratch[r][c] = in[static_cast<std::ptrdiff_t>(r) * row_stride +
+                               static_cast<std::ptrdiff_t>(c) * col_stride];
+          }
+        }
+      } else {
+        for (std::size_t r = 0; r < tile_rows; ++r) {
+          for (std::size_t c = 0; c < tile_cols; ++c) {
+            scratch[r][c] = in[static_cast<std::ptrdiff_t>(r) * row_stride +
+                               static_cast<std::ptrdiff_t>(c) * col_stride];
+          }
+        }
+      }
+      for (std::size_t r = 0; r < tile_rows; ++r) {
+        W* out = acc + static_cast<std::ptrdiff_t>(r0 + r) * acc_row + static_cast<std::ptrdiff_t>(c0);
+        for (std::size_t c = 0; c < tile_cols; ++c) {
+          const W product = scale * to_work<W>(scratch[r][c]);
           out[c] = out[c] + product;
         }
       }
