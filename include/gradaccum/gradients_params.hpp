@@ -147,8 +147,9 @@ class gradients_params {
       // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
       value_type converted(std::in_place_type<stored>, detail::as_alternative<B>(id, std::forward<X>(value)));
       const std::size_t parameter =
-          params_ ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); }, converted)
-                  : 0;
+          params_
+              ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); }, converted)
+              : 0;
       if (const auto position = find(id)) {
         entries_[*position].value = std::move(converted);
         entries_[*position].position = parameter;

@@ -37,13 +37,14 @@ struct declared_element<X> {
   using type = typename X::Scalar;
 };
 template <class X>
-  requires(!requires { typename X::Scalar; } && requires { typename X::value_type; })
+  requires(
+      !requires { typename X::Scalar; } && requires { typename X::value_type; })
 struct declared_element<X> {
   using type = typename X::value_type;
 };
 template <class X>
-  requires(!requires { typename X::Scalar; } && !requires { typename X::value_type; } &&
-           requires { typename X::elem_type; })
+  requires(
+      !requires { typename X::Scalar; } && !requires { typename X::value_type; } && requires { typename X::elem_type; })
 struct declared_element<X> {
   using type = typename X::elem_type;
 };

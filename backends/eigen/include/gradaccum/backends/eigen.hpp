@@ -124,7 +124,8 @@ struct eigen_backend {
     if constexpr (X::ColsAtCompileTime == 1) {
       return {x.data(), tensor_shape{rows}, {static_cast<std::ptrdiff_t>(x.innerStride())}};
     } else {
-      return {x.data(), tensor_shape{rows, static_cast<std::size_t>(x.cols())},
+      return {x.data(),
+              tensor_shape{rows, static_cast<std::size_t>(x.cols())},
               {static_cast<std::ptrdiff_t>(x.rowStride()), static_cast<std::ptrdiff_t>(x.colStride())}};
     }
   }
