@@ -182,15 +182,15 @@ void add_scaled_plane(W* __restrict acc, std::ptrdiff_t acc_row, const T* __rest
       if (rows_fast) {
         for (std::size_t c = 0; c < tile_cols; ++c) {
           for (std::size_t r = 0; r < tile_rows; ++r) {
-            scratch[r][c] = in[static_cast<std::ptrdiff_t>(r) * row_stride +
-                               static_cast<std::ptrdiff_t>(c) * col_stride];
+            scratch[r][c] =
+                in[static_cast<std::ptrdiff_t>(r) * row_stride + static_cast<std::ptrdiff_t>(c) * col_stride];
           }
         }
       } else {
         for (std::size_t r = 0; r < tile_rows; ++r) {
           for (std::size_t c = 0; c < tile_cols; ++c) {
-            scratch[r][c] = in[static_cast<std::ptrdiff_t>(r) * row_stride +
-                               static_cast<std::ptrdiff_t>(c) * col_stride];
+            scratch[r][c] =
+                in[static_cast<std::ptrdiff_t>(r) * row_stride + static_cast<std::ptrdiff_t>(c) * col_stride];
           }
         }
       }
