@@ -118,8 +118,9 @@ struct eigen_backend {
 
   /// @brief The view of a dense object with direct access: `[n]` for a column vector type, else
   /// `[rows, cols]`, with its row and column strides.
+  /// (tensor_shape's constructor throws only above max_rank, which a matrix's rank 1 or 2 is not.)
   template <detail::eigen_direct X>
-  static view<typename X::Scalar> view_of(const X& x) noexcept {
+  static view<typename X::Scalar> view_of(const X& x) noexcept {  // NOLINT(bugprone-exception-escape)
     const auto rows = static_cast<std::size_t>(x.rows());
     if constexpr (X::ColsAtCompileTime == 1) {
       return {x.data(), tensor_shape{rows}, {static_cast<std::ptrdiff_t>(x.innerStride())}};
