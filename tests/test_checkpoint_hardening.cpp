@@ -474,11 +474,11 @@ TEST_CASE("a format version other than this build's is refused for every record 
   const char* types[] = {"weighted gradients record", "accumulation state", "gradients record", "tensor record"};
   for (int occurrence = 0; occurrence < 4; ++occurrence) {
     CAPTURE(types[occurrence]);
-    check_refused(replaced(json, "\"cereal_class_version\": 2", "\"cereal_class_version\": 0", occurrence),
+    check_refused(replaced(json, "\"cereal_class_version\": 3", "\"cereal_class_version\": 0", occurrence),
                   checkpoint_format::json, errc::invalid_record, "", {types[occurrence], "format version 0"});
   }
   const std::string xml = serialize_checkpoint(valid_window, checkpoint_format::xml);
-  check_refused(replaced(xml, "<cereal_class_version>2<", "<cereal_class_version>7<", 3), checkpoint_format::xml,
+  check_refused(replaced(xml, "<cereal_class_version>3<", "<cereal_class_version>7<", 3), checkpoint_format::xml,
                 errc::invalid_record, "", {"tensor record has format version 7"});
 }
 

@@ -21,6 +21,11 @@
 ///   template <class W> static tensor<W> convert(const X&);
 ///   // optional, checked on every accumulate call: whether shape(x) == s, without building it
 ///   static bool has_shape(const X&, const gradaccum::tensor_shape& s) noexcept;
+///   // optional: whether the backend's tensors can have shape s, so that shape(zeros(s)) == s.
+///   // Where it is false the library throws error(errc::parameter_mismatch) naming the parameter
+///   // (parameter_set::add with explicit geometry), and zeros, from_row_major and uninitialized
+///   // must throw error(errc::parameter_mismatch) rather than build a tensor of another shape.
+///   static bool represents(const gradaccum::tensor_shape& s) noexcept;
 ///   // optional: a view stores its shape and device, so they never change after it is made
 ///   // (lets an accumulator skip checking a gradients_params of views that did not change)
 ///   static constexpr bool views_keep_geometry = true;
@@ -48,6 +53,24 @@
 #include "gradaccum/type_list.hpp"
 
 namespace gradaccum {
+
+namespace detail {
+
+/// Refuses a shape the backend cannot represent (see `represents` in the contract above).
+/// @throws error(errc::parameter_mismatch) naming `id`.
+template <class B>
+void check_representable(std::string_view id, const tensor_shape& shape) {
+  if constexpr (requires { B::represents(shape); }) {
+    if (!B::represents(shape)) {
+      fail(errc::parameter_mismatch,
+           "parameter '" + std::string(id) + "' has shape " + shape.to_string() +
+               ", which this backend's tensors cannot have.",
+           std::string(id));
+    }
+  }
+}
+
+}  // namespace detail
 namespace detail {
 
 template <class B>

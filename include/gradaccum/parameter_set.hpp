@@ -66,7 +66,9 @@ class parameter_set {
   }
 
   /// @brief Adds the parameter `id` with explicit geometry; same rules as above.
+  /// @throws error(errc::parameter_mismatch) also for a shape the backend's tensors cannot have.
   std::size_t add(std::string_view id, const tensor_shape& shape, const device_type& device) {
+    detail::check_representable<B>(id, shape);
     if (const auto position = find(id)) {
       const parameter& tied = params_[*position];
       if (tied.shape != shape) {

@@ -11,11 +11,13 @@
 
 #include <cstddef>
 #include <span>
+#include <string>
 
 #include <Eigen/Core>
 
 #include "gradaccum/backend.hpp"
 #include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
 #include "gradaccum/kernels.hpp"
 #include "gradaccum/shape.hpp"
 #include "gradaccum/type_list.hpp"
@@ -74,7 +76,10 @@ struct eigen_backend {
     return t.data();
   }
 
-  /// Shapes of rank 1 become column vectors; rank 0 a 1×1 matrix.
+  /// A matrix's shape is [rows, cols], so only rank-2 shapes are represented: a [n] or []
+  /// tensor would come back as [n, 1] or [1, 1], and a [1, 2, 3] one lose an axis.
+  static bool represents(const tensor_shape& s) noexcept { return s.rank() == 2; }
+
   template <class W>
   static tensor<W> zeros(const tensor_shape& s, const device_type& /*device*/) {
     const auto [rows, cols] = rows_cols(s);
@@ -145,13 +150,12 @@ struct eigen_backend {
     Eigen::Index rows;
     Eigen::Index cols;
   };
-  static extent rows_cols(const tensor_shape& s) noexcept {
-    const auto dim = [&](std::size_t axis) { return static_cast<Eigen::Index>(s[axis]); };
-    switch (s.rank()) {
-      case 0: return {1, 1};
-      case 1: return {dim(0), 1};
-      default: return {dim(0), dim(1)};
+  /// @throws error(errc::parameter_mismatch) for a shape a matrix cannot have (`represents`).
+  static extent rows_cols(const tensor_shape& s) {
+    if (!represents(s)) {
+      detail::fail(errc::parameter_mismatch, "an Eigen matrix cannot have shape " + s.to_string() + ".");
     }
+    return {static_cast<Eigen::Index>(s[0]), static_cast<Eigen::Index>(s[1])};
   }
 };
 
