@@ -250,7 +250,7 @@ TEST_CASE("Eigen refuses shapes a matrix cannot have, at add and when creating t
   params.add("w", tensor_shape{2, 3}, {});
   weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f32, 1.0);
   gradients_params<eigen_backend> grads;
-  grads.insert("w", Eigen::MatrixXf::Constant(2, 3, 2.0F));
+  grads.insert("w", Eigen::MatrixXf(Eigen::MatrixXf::Constant(2, 3, 2.0F)));
   acc.accumulate_sum(params, grads, 2);
   const std::string saved = serialize_checkpoint(acc.try_to_record(), checkpoint_format::binary);
   weighted_gradients_accumulator<eigen_backend> restored(float_dtype::f32, 1.0);

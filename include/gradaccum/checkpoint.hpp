@@ -24,6 +24,8 @@
 /// Problems with the file itself (missing, unreadable, disk full, unknown extension) throw
 /// `std::filesystem::filesystem_error` naming the path.
 
+#include <algorithm>
+#include <bit>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -298,6 +300,34 @@ template <checkpoint_record R, class Sink>
 using into_for =
     std::conditional_t<std::is_same_v<R, weighted_gradients_record>, weighted_into<Sink>, gradients_into<Sink>>;
 
+/// The format version of the outermost record of a document that starts with `head`.
+inline std::uint32_t version_in(std::string_view head, checkpoint_format format) {
+  const auto read_u32 = [&](std::size_t at, bool little) -> std::optional<std::uint32_t> {
+    if (head.size() < at + 4) return std::nullopt;
+    std::uint32_t value = 0;
+    for (std::size_t i = 0; i < 4; ++i) {
+      const auto byte = static_cast<std::uint32_t>(static_cast<unsigned char>(head[at + (little ? i : 3 - i)]));
+      value |= byte << (8 * i);
+    }
+    return value;
+  };
+  std::optional<std::uint32_t> version;
+  if (format == checkpoint_format::binary) {
+    version = read_u32(0, std::endian::native == std::endian::little);
+  } else if (format == checkpoint_format::portable_binary) {
+    version = head.empty() ? std::nullopt : read_u32(1, head[0] == 1);  // after the byte-order tag
+  } else {
+    const std::string_view key = format == checkpoint_format::json ? "\"cereal_class_version\"" : "<cereal_class_version>";
+    if (const std::size_t at = head.find(key); at != std::string_view::npos) {
+      std::string_view rest = head.substr(at + key.size());
+      rest.remove_prefix(std::min(rest.find_first_of("0123456789"), rest.size()));
+      version = parse_number<std::uint32_t>(rest.substr(0, rest.find_first_not_of("0123456789")));
+    }
+  }
+  if (!version) fail(errc::invalid_record, "checkpoint does not start with a record's format version.");
+  return *version;
+}
+
 }  // namespace detail
 
 // ---- Memory ------------------------------------------------------------------------------------
@@ -334,6 +364,24 @@ template <checkpoint_record R>
 void save_checkpoint(const std::filesystem::path& path, const R& record,
                      std::optional<checkpoint_format> format = std::nullopt) {
   detail::save_file(path, record, format ? *format : checkpoint_format_for(path));
+}
+
+/// @brief The format version of the outermost record of the checkpoint at `path`, read from its
+/// first bytes without loading it. Versions before 3 carry no checksum.
+/// @throws error(errc::invalid_record) for a file that does not start like a checkpoint;
+/// std::filesystem::filesystem_error when the file cannot be read.
+inline std::uint32_t checkpoint_version(const std::filesystem::path& path,
+                                        std::optional<checkpoint_format> format = std::nullopt) {
+  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
+  detail::file_source source(path);
+  std::string head(static_cast<std::size_t>(std::min<std::uint64_t>(source.remaining(), 4096)), '\0');
+  head.resize(static_cast<std::size_t>(source.sgetn(head.data(), static_cast<std::streamsize>(head.size()))));
+  source.throw_if_failed();
+  try {
+    return detail::version_in(head, resolved);
+  } catch (const error& e) {
+    detail::fail_in_file(e, path);
+  }
 }
 
 /// @brief Reads a record of type `R` from `path`.

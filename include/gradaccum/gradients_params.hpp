@@ -198,7 +198,7 @@ class gradients_params {
   bool erase(std::string_view id) noexcept {
     const auto position = find(id);
     if (!position) return false;
-    entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(*position));
+    entries_.erase(*position);
     index_.rebuild(entries_.size(), key_of());
     ids_.renew();
     values_.renew();
@@ -526,7 +526,7 @@ class gradients_params {
     return sorted;
   }
 
-  std::vector<entry> entries_;
+  detail::stable_vector<entry> entries_;  // never moves a tensor when it grows
   detail::id_index index_;
   detail::version_stamp ids_;
   detail::version_stamp values_;

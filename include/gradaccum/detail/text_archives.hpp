@@ -336,6 +336,15 @@ class json_parser {
 
   void number(json_value& out) {
     const std::size_t start = at_;
+    // What RapidJSON writes, and cereal's archive reads, for non-finite doubles.
+    for (const std::string_view word : {"NaN", "Infinity", "-Infinity"}) {
+      if (text_.substr(at_, word.size()) == word) {
+        at_ += word.size();
+        out.type = json_value::kind::number;
+        out.text = word;
+        return;
+      }
+    }
     const auto digits = [&] {
       const std::size_t first = at_;
       while (more() && peek() >= '0' && peek() <= '9') ++at_;
