@@ -462,11 +462,33 @@ decltype(auto) visit_stored_type(float_dtype dtype, F&& f) {
   return std::forward<F>(f).template operator()<std::uint16_t>();
 }
 
+/// The format version of the record whose fields are loading on this thread, 0 outside one.
+/// Every writer gives nested records the version of the record holding them, so a changed bit
+/// in the version of a record without content of its own is refused too.
+inline thread_local std::uint32_t enclosing_version = 0;
+
+/// @brief Makes `version` the `enclosing_version` while alive.
+class version_scope {
+ public:
+  explicit version_scope(std::uint32_t version) noexcept : previous_(std::exchange(enclosing_version, version)) {}
+  version_scope(const version_scope&) = delete;
+  version_scope& operator=(const version_scope&) = delete;
+  ~version_scope() { enclosing_version = previous_; }
+
+ private:
+  std::uint32_t previous_;
+};
+
 inline void check_format_version(std::uint32_t version, std::string_view type) {
   if (version < oldest_record_format_version || version > record_format_version) {
     fail(errc::invalid_record, std::string(type) + " has format version " + std::to_string(version) +
                                    "; this build reads versions " + std::to_string(oldest_record_format_version) +
                                    " to " + std::to_string(record_format_version) + ".");
+  }
+  if (enclosing_version != 0 && version != enclosing_version) {
+    fail(errc::invalid_record, std::string(type) + " has format version " + std::to_string(version) +
+                                   " inside a record of version " + std::to_string(enclosing_version) +
+                                   ": the checkpoint is corrupt.");
   }
 }
 
@@ -787,6 +809,7 @@ void load(Archive& ar, tensor_into<Sink>& into, const std::uint32_t version) {
 template <class Archive, class Sink>
 void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) {
   check_format_version(version, "a gradients record");
+  const version_scope nested(version);
   const load_site site{errc::invalid_record, "gradients record"};
   content_hash hash;
   const hash_scope scope(has_checksum(version) ? &hash : nullptr);
@@ -818,6 +841,7 @@ void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) 
 template <class Archive, class Sink>
 void load(Archive& ar, weighted_into<Sink>& into, const std::uint32_t version) {
   check_format_version(version, "a weighted gradients record");
+  const version_scope nested(version);
   weighted_accumulation_state state;
   // The state comes first, so a reader learns the work dtype before any tensor.
   read_field<Archive>({errc::invalid_state, "weighted gradients record"}, "state", "an accumulation state",

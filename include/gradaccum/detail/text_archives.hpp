@@ -444,7 +444,7 @@ class json_input_archive : public cereal::InputArchive<json_input_archive>, publ
   /// @throws error(errc::invalid_record) when `document` is not JSON or its root not an object.
   explicit json_input_archive(std::string_view document)
       : InputArchive(this), root_(json_parser(document).parse()) {
-    if (root_.type != json_value::kind::object) fail(errc::invalid_record, "checkpoint JSON is not an object.");
+    if (root_.type != json_value::kind::object) fail(errc::invalid_record, "checkpoint JSON holds no record: its root is not an object.");
     cursors_.push_back({&root_, 0});
   }
 
@@ -470,7 +470,8 @@ class json_input_archive : public cereal::InputArchive<json_input_archive>, publ
     const json_value& value = next();
     const char* begin = value.text.data();
     const char* end = begin + value.text.size();
-    if (value.type != json_value::kind::number || std::from_chars(begin, end, number).ptr != end) {
+    const auto [stop, problem] = std::from_chars(begin, end, number);
+    if (value.type != json_value::kind::number || problem != std::errc{} || stop != end) {
       throw cereal::Exception("expected a JSON number that fits its field");
     }
   }
