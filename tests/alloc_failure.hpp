@@ -3,12 +3,11 @@
 /// @brief Heap allocation counting and fault injection for tests.
 ///
 /// alloc_failure.cpp replaces the global operator new/delete and, through the linker's
-/// `--wrap=malloc` and `--wrap=realloc`, the `malloc` and `realloc` of every object in the executable (Eigen allocates with malloc
-/// directly). While an `allocation_probe` is alive, allocations on its thread are counted and
-/// the Nth one fails: malloc or realloc returns null, so operator new and Eigen throw
-/// `std::bad_alloc`. A run that fails with `gradaccum::error` after the injected failure counts
-/// as failed too (a loader may report the failure as what it could not read).
-/// Link alloc_failure.cpp into its own executable, so no other test runs under it.
+/// `--wrap=malloc` and `--wrap=realloc`, the `malloc` and `realloc` of every object in the executable (Eigen allocates
+/// with malloc directly). While an `allocation_probe` is alive, allocations on its thread are counted and the Nth one
+/// fails: malloc or realloc returns null, so operator new and Eigen throw `std::bad_alloc`. A run that fails with
+/// `gradaccum::error` after the injected failure counts as failed too (a loader may report the failure as what it could
+/// not read). Link alloc_failure.cpp into its own executable, so no other test runs under it.
 
 #include <cstddef>
 #include <new>

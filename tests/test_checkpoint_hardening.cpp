@@ -562,12 +562,14 @@ TEST_CASE("documents cereal's parsers mishandle are refused, or read exactly") {
   // Numbers RapidJSON 1.1 misread (its full-precision conversion calls clz(0) and indexes its
   // table of powers of ten out of bounds) are read exactly now; a changed weight fails the checksum.
   const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
-  for (const char* number : {"0e-300", "184467440737095516156", "1844044.1841844674401e-337"}) {
+  for (const char* number : {"0e-300", "184467440737095516156"}) {
     CAPTURE(number);
     check_refused(replaced(json, "7.0", number), checkpoint_format::json, errc::invalid_record, "", {"checksum"});
   }
-  check_refused(replaced(json, "7.0", "184.184e-9223372036854775807"), checkpoint_format::json, errc::invalid_state,
-                "", {"'total_weight'"});
+  for (const char* number : {"1844044.1841844674401e-337", "184.184e-9223372036854775807"}) {  // below any double
+    CAPTURE(number);
+    check_refused(replaced(json, "7.0", number), checkpoint_format::json, errc::invalid_state, "", {"'total_weight'"});
+  }
   const std::string scaled_twenty_digits = replaced(json, "7.0", "70000000000000000000e-19");
   GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(scaled_twenty_digits, checkpoint_format::json),
                             valid_window);

@@ -125,8 +125,7 @@ TEST_CASE("a changed bit anywhere in a checkpoint is refused, or leaves its cont
   REQUIRE(at != std::string::npos);
   binary[at] = static_cast<char>(binary[at] ^ 1);
   CHECK(code_of_parse(binary, checkpoint_format::binary) == errc::invalid_record);
-  const std::string json =
-      replace_first(serialize_checkpoint(fixture_window(), checkpoint_format::json), "5.5", "5.4");
+  const std::string json = replace_first(serialize_checkpoint(fixture_window(), checkpoint_format::json), "5.5", "5.4");
   CHECK(code_of_parse(json, checkpoint_format::json) == errc::invalid_record);
 }
 
@@ -175,9 +174,10 @@ TEST_CASE("ids longer than max_id_length are refused on save and on load, before
   CHECK_THROWS_AS((void)serialize_checkpoint(record, checkpoint_format::binary), error);
   record.tensors[0].id = "a";
   std::string bytes = serialize_checkpoint(record, checkpoint_format::binary);
-  // The id's length follows the two versions: declare 64 GiB, in a sparse file that claims as much.
+  // The id length follows the gradients version, the tensor count and the tensor version:
+  // declare 64 GiB, in a sparse file that claims as much.
   const std::uint64_t huge = std::uint64_t{64} << 30;
-  std::memcpy(bytes.data() + 8, &huge, sizeof huge);
+  std::memcpy(bytes.data() + 16, &huge, sizeof huge);
   const scratch_dir dir;
   const fs::path path = dir.path / "sparse.bin";
   {

@@ -220,8 +220,8 @@ class string_sink final : public std::streambuf {
 };
 
 /// Reads `into` (a record, or a loader's sink target such as `weighted_into<S>`) from
-/// `source` (text formats: from `text`, the whole document) with the hardened loaders, as the outermost object of a document holding a record
-/// of type R; cereal's own failures (a short outermost version, a root that is not an object)
+/// `source` (text formats: from `text`, the whole document) with the hardened loaders, as the outermost object of a
+/// document holding a record of type R; cereal's own failures (a short outermost version, a root that is not an object)
 /// become `error(errc::invalid_record)` too. Binary input must end with the record.
 template <checkpoint_record R, class Into>
 void read_into(sized_streambuf& source, std::string_view text, checkpoint_format format, Into& into) {
@@ -317,7 +317,8 @@ inline std::uint32_t version_in(std::string_view head, checkpoint_format format)
   } else if (format == checkpoint_format::portable_binary) {
     version = head.empty() ? std::nullopt : read_u32(1, head[0] == 1);  // after the byte-order tag
   } else {
-    const std::string_view key = format == checkpoint_format::json ? "\"cereal_class_version\"" : "<cereal_class_version>";
+    const std::string_view key =
+        format == checkpoint_format::json ? "\"cereal_class_version\"" : "<cereal_class_version>";
     if (const std::size_t at = head.find(key); at != std::string_view::npos) {
       std::string_view rest = head.substr(at + key.size());
       rest.remove_prefix(std::min(rest.find_first_of("0123456789"), rest.size()));
@@ -348,10 +349,9 @@ template <checkpoint_record R>
 template <checkpoint_record R>
 [[nodiscard]] R parse_checkpoint(std::string_view bytes, checkpoint_format format) {
   R record;
-  detail::read_bytes(bytes, format,
-                     [&](detail::sized_streambuf& source, std::string_view text) {
-                       detail::read_into<R>(source, text, format, record);
-                     });
+  detail::read_bytes(bytes, format, [&](detail::sized_streambuf& source, std::string_view text) {
+    detail::read_into<R>(source, text, format, record);
+  });
   return record;
 }
 
@@ -392,10 +392,9 @@ template <checkpoint_record R>
                                 std::optional<checkpoint_format> format = std::nullopt) {
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
   R record;
-  detail::read_file(path, resolved,
-                    [&](detail::sized_streambuf& source, std::string_view text) {
-                      detail::read_into<R>(source, text, resolved, record);
-                    });
+  detail::read_file(path, resolved, [&](detail::sized_streambuf& source, std::string_view text) {
+    detail::read_into<R>(source, text, resolved, record);
+  });
   return record;
 }
 
@@ -427,10 +426,9 @@ void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& 
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
   restorer sink(accumulator, params);
   detail::into_for<record_type, restorer> into{&sink};
-  detail::read_file(path, resolved,
-                    [&](detail::sized_streambuf& source, std::string_view text) {
-                      detail::read_into<record_type>(source, text, resolved, into);
-                    });
+  detail::read_file(path, resolved, [&](detail::sized_streambuf& source, std::string_view text) {
+    detail::read_into<record_type>(source, text, resolved, into);
+  });
   std::move(sink).commit();
 }
 

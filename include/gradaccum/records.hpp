@@ -116,8 +116,8 @@ struct weighted_gradients_view {
 
 }  // namespace detail
 
-/// @brief Checks a record on its own: ids of at most `max_id_length` bytes, no duplicate ids, values of the declared dtype, element
-/// counts that match shapes.
+/// @brief Checks a record on its own: ids of at most `max_id_length` bytes, no duplicate ids, values of the declared
+/// dtype, element counts that match shapes.
 /// @throws error(errc::invalid_record) naming the first problem and the offending id.
 inline void validate(const gradients_params_record& record) {
   for (const tensor_record& tensor : record.tensors) {

@@ -220,10 +220,10 @@ class file_source final : public sized_streambuf {
 class atomic_file {
  public:
   /// @throws std::filesystem::filesystem_error when the temporary cannot be created.
-  explicit atomic_file(std::filesystem::path target) : target_(std::move(target)) {
-    const std::filesystem::path directory = target_.parent_path();
+  explicit atomic_file(std::filesystem::path target)
+      : target_(std::move(target)), directory_(target_.parent_path().empty() ? "." : target_.parent_path()) {
     for (;;) {  // O_EXCL skips a name taken by another writer or left by a killed one
-      temporary_ = directory / temporary_name();
+      temporary_ = directory_ / temporary_name();
       file_ = file_descriptor(::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666));
       if (file_.get() >= 0) break;
       if (errno != EEXIST) fail_io("create a temporary checkpoint", temporary_, errno);
@@ -257,9 +257,10 @@ class atomic_file {
     if (const int closed = file_.close(); closed != 0) fail_io("close checkpoint", temporary_, closed);
     if (::rename(temporary_.c_str(), target_.c_str()) != 0) fail_io("rename checkpoint into place", target_, errno);
     committed_ = true;
-    const std::filesystem::path directory = target_.parent_path().empty() ? "." : target_.parent_path();
-    file_descriptor dir(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    if (dir.get() < 0 || (::fsync(dir.get()) != 0 && errno != EINVAL)) fail_io("sync directory", directory, errno);
+    // Nothing after the rename allocates unless it fails: a save that throws for lack of memory
+    // has left the previous checkpoint in place.
+    file_descriptor dir(::open(directory_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (dir.get() < 0 || (::fsync(dir.get()) != 0 && errno != EINVAL)) fail_io("sync directory", directory_, errno);
   }
 
   /// Prefix of every temporary file name: what a writer killed before its rename leaves behind.
@@ -284,6 +285,7 @@ class atomic_file {
   }
 
   std::filesystem::path target_;
+  std::filesystem::path directory_;
   std::filesystem::path temporary_;
   file_descriptor file_;
   bool committed_ = false;

@@ -101,7 +101,7 @@ class json_output_archive : public cereal::OutputArchive<json_output_archive>, p
   }
   void finishNode() {
     switch (nodes_.back().state) {
-      case node_state::start_array: open('[');  [[fallthrough]];
+      case node_state::start_array: open('['); [[fallthrough]];
       case node_state::in_array: close(']'); break;
       case node_state::start_object: open('{'); [[fallthrough]];
       case node_state::in_object: close('}'); break;
@@ -272,8 +272,8 @@ class json_parser {
 
  private:
   [[noreturn]] void fail_at(std::string_view problem) const {
-    fail(errc::invalid_record,
-         "checkpoint is not valid JSON: the document " + std::string(problem) + " (at byte " + std::to_string(at_) + ").");
+    fail(errc::invalid_record, "checkpoint is not valid JSON: the document " + std::string(problem) + " (at byte " +
+                                   std::to_string(at_) + ").");
   }
   [[nodiscard]] bool more() const noexcept { return at_ < text_.size(); }
   [[nodiscard]] char peek() const noexcept { return more() ? text_[at_] : '\0'; }
@@ -299,7 +299,8 @@ class json_parser {
 
   void container(json_value& out, std::size_t depth, json_value::kind type, char end) {
     if (depth + 1 > max_document_depth) {
-      fail(errc::invalid_record, "checkpoint JSON nests deeper than " + std::to_string(max_document_depth) + " levels.");
+      fail(errc::invalid_record,
+           "checkpoint JSON nests deeper than " + std::to_string(max_document_depth) + " levels.");
     }
     out.type = type;
     ++at_;
@@ -442,9 +443,9 @@ class json_parser {
 class json_input_archive : public cereal::InputArchive<json_input_archive>, public cereal::traits::TextArchive {
  public:
   /// @throws error(errc::invalid_record) when `document` is not JSON or its root not an object.
-  explicit json_input_archive(std::string_view document)
-      : InputArchive(this), root_(json_parser(document).parse()) {
-    if (root_.type != json_value::kind::object) fail(errc::invalid_record, "checkpoint JSON holds no record: its root is not an object.");
+  explicit json_input_archive(std::string_view document) : InputArchive(this), root_(json_parser(document).parse()) {
+    if (root_.type != json_value::kind::object)
+      fail(errc::invalid_record, "checkpoint JSON holds no record: its root is not an object.");
     cursors_.push_back({&root_, 0});
   }
 
@@ -554,8 +555,8 @@ class xml_output_archive : public cereal::OutputArchive<xml_output_archive>, pub
 
   void startNode() {
     element& parent = nodes_.back();
-    std::string name = next_name_ != nullptr ? std::exchange(next_name_, nullptr) : "value" +
-                                                                                       std::to_string(parent.counter++);
+    std::string name =
+        next_name_ != nullptr ? std::exchange(next_name_, nullptr) : "value" + std::to_string(parent.counter++);
     open_for_children(parent);
     nodes_.push_back({std::move(name), {}, 0, false});
   }
@@ -580,8 +581,8 @@ class xml_output_archive : public cereal::OutputArchive<xml_output_archive>, pub
   void saveValue(const std::string& text) {
     // rapidxml trims leading and trailing whitespace unless told to preserve it.
     constexpr std::string_view space = " \t\n\r";
-    if (!text.empty() && (space.find(text.front()) != std::string_view::npos ||
-                          space.find(text.back()) != std::string_view::npos)) {
+    if (!text.empty() &&
+        (space.find(text.front()) != std::string_view::npos || space.find(text.back()) != std::string_view::npos)) {
       appendAttribute("xml:space", "preserve");
     }
     value_start();

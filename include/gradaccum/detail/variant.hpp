@@ -113,8 +113,9 @@ struct element_with_dtype<type_list<T, Ts...>, D> {
 /// being truly noexcept: xtensor 0.24 declares its move noexcept, but moving a shape above
 /// rank 4 allocates, so a vector that relocated its tensors under memory pressure terminated.
 ///
-/// `reserve(n)` allocates the nodes for n elements up front, so `push_back` within them only
-/// constructs (it throws only if T's move constructor does).
+/// `reserve(n)` allocates the nodes for n elements up front, in one block, so `push_back`
+/// within them only constructs (it throws only if T's move constructor does), and growing
+/// geometrically allocates O(log n) times.
 template <class T>
 class stable_vector {
  public:
@@ -159,7 +160,7 @@ class stable_vector {
     for (const T& value : other) push_back(value);
   }
   stable_vector(stable_vector&& other) noexcept
-      : nodes_(std::move(other.nodes_)), size_(std::exchange(other.size_, 0)) {}
+      : nodes_(std::move(other.nodes_)), blocks_(std::move(other.blocks_)), size_(std::exchange(other.size_, 0)) {}
   stable_vector& operator=(const stable_vector& other) {
     stable_vector copy(other);
     swap(copy);
@@ -172,10 +173,11 @@ class stable_vector {
   }
   ~stable_vector() {
     clear();
-    for (T* node : nodes_) deallocate(node);
+    for (const block& b : blocks_) std::allocator<T>().deallocate(b.nodes, b.count);
   }
   void swap(stable_vector& other) noexcept {
     nodes_.swap(other.nodes_);
+    blocks_.swap(other.blocks_);
     std::swap(size_, other.size_);
   }
 
@@ -193,11 +195,15 @@ class stable_vector {
   const_iterator cbegin() const noexcept { return begin(); }
   const_iterator cend() const noexcept { return end(); }
 
-  /// Allocates nodes for `count` elements; on failure the nodes allocated so far stay spare.
+  /// Allocates nodes for `count` elements; nothing changes if that fails.
   void reserve(std::size_t count) {
     if (count <= nodes_.size()) return;
     nodes_.reserve(count);
-    while (nodes_.size() < count) nodes_.push_back(std::allocator<T>().allocate(1));
+    blocks_.reserve(blocks_.size() + 1);
+    const std::size_t added = count - nodes_.size();
+    T* const nodes = std::allocator<T>().allocate(added);
+    blocks_.push_back({nodes, added});  // cannot throw: both vectors have room
+    for (std::size_t i = 0; i < added; ++i) nodes_.push_back(nodes + i);
   }
 
   /// Precondition: `size() < capacity()`.
@@ -225,9 +231,13 @@ class stable_vector {
   }
 
  private:
-  static void deallocate(T* node) noexcept { std::allocator<T>().deallocate(node, 1); }
+  struct block {
+    T* nodes;
+    std::size_t count;
+  };
 
   std::vector<T*> nodes_;  // the first size_ hold elements; the rest are allocated and spare
+  std::vector<block> blocks_;
   std::size_t size_ = 0;
 };
 
