@@ -26,6 +26,9 @@
 ///   // (parameter_set::add with explicit geometry), and zeros, from_row_major and uninitialized
 ///   // must throw error(errc::parameter_mismatch) rather than build a tensor of another shape.
 ///   static bool represents(const gradaccum::tensor_shape& s) noexcept;
+///   // optional: whether moving t cannot allocate. Where it is false the library copies t
+///   // into its entry instead (a move declared noexcept that allocates would terminate).
+///   static bool moves_without_allocating(const tensor<T>& t) noexcept;
 ///   // optional: a view stores its shape and device, so they never change after it is made
 ///   // (lets an accumulator skip checking a gradients_params of views that did not change)
 ///   static constexpr bool views_keep_geometry = true;

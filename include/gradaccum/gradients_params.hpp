@@ -74,21 +74,22 @@ const T* lent_row_major(const typename B::template tensor<T>& t) noexcept {
   }
 }
 
-/// A new tensor of `shape` whose row-major values `values.into(std::span<T>)` wrote straight
-/// into its storage, where the backend lends it; else empty. Where the layout is not row-major
-/// the tensor is dropped untouched: cheap, and backends need not expose their layout rules.
-template <class B, class T, class Values>
-std::optional<typename B::template tensor<T>> filled_in_place(const tensor_shape& shape,
-                                                              const typename B::device_type& device,
-                                                              const Values& values) {
+/// Creates a tensor of `shape`, has `values.into(std::span<T>)` write its row-major values
+/// straight into its storage and hands it to `store`, where the backend lends its storage;
+/// returns whether it did. Where the layout is not row-major the tensor is dropped untouched:
+/// cheap, and backends need not expose their layout rules.
+template <class B, class T, class Values, class Store>
+bool fill_in_place(const tensor_shape& shape, const typename B::device_type& device, const Values& values,
+                   Store&& store) {
   if constexpr (lends_row_major<B, T>) {
     auto created = B::template uninitialized<T>(shape, device);
     if (T* data = B::row_major_data(created)) {
       values.into(std::span<T>(data, *shape.checked_element_count()));
-      return created;
+      std::forward<Store>(store)(std::move(created));
+      return true;
     }
   }
-  return std::nullopt;
+  return false;
 }
 
 template <float_dtype D, class F>
@@ -148,15 +149,16 @@ class gradients_params {
     requires detail::is_gradient_alternative<B, X>
   void insert(std::string_view id, X&& value) {
     using stored = stored_type<std::remove_cvref_t<X>>;
+    reserve(entries_.size() + 1);  // a spare node, for a new entry or a replacement
+    const auto construct = [&](void* node) { construct_entry<stored>(node, std::string(id), std::forward<X>(value)); };
     if (const auto position = find(id)) {
-      // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
-      value_type replacement(std::in_place_type<stored>, std::forward<X>(value));
-      entries_[*position].value = std::move(replacement);
+      // Built in a spare node first: the old entry stays whole if that throws.
+      entries_.replace_with(*position, construct);
       values_.renew();
       return;
     }
-    entry added{std::string(id), value_type(std::in_place_type<stored>, std::forward<X>(value))};
-    push_back(std::move(added));
+    entries_.emplace_back_with(construct);
+    indexed_last();
   }
 
   /// @brief The owned tensor of element type T under `id`; null when absent, of another
@@ -329,8 +331,8 @@ class gradients_params {
     void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
       const auto& param = (*params_)[check_against(*params_, id, dtype, shape)];
       if (built_.contains(id)) detail::fail(errc::invalid_record, "record lists tensor '" + id + "' twice.", id);
-      value_type value = tensor_from(dtype, param.shape, param.device, values);
-      built_.push_back(entry{std::move(id), std::move(value)});
+      built_.reserve(built_.size() + 1);
+      add_tensor_from(built_, std::move(id), dtype, param.shape, param.device, values);
     }
 
     [[nodiscard]] gradients_params finish() && noexcept { return std::move(built_); }
@@ -384,12 +386,6 @@ class gradients_params {
     return [this](std::size_t position) -> std::string_view { return entries_[position].id; };
   }
 
-  /// Appends with the strong guarantee: reserve both containers, then commit without throwing.
-  void push_back(entry&& added) {
-    reserve(entries_.size() + 1);
-    push_back_reserved(std::move(added));
-  }
-
   void reserve(std::size_t count) {
     detail::reserve_geometric(entries_, count);
     index_.reserve(count, key_of());
@@ -398,9 +394,34 @@ class gradients_params {
   /// Appends within reserved capacity (see `reserve`).
   void push_back_reserved(entry&& added) noexcept {
     entries_.push_back(std::move(added));
+    indexed_last();
+  }
+
+  /// Indexes the entry just appended.
+  void indexed_last() noexcept {
     index_.insert(entries_.size() - 1, entries_.back().id);
     ids_.renew();
     values_.renew();
+  }
+
+  /// Constructs the entry (`id`, `value`) at `node`, the tensor in place: moved where that
+  /// cannot allocate, else copied (see `detail::moves_without_allocating`).
+  template <class Stored, class X>
+  static void construct_entry(void* node, std::string&& id, X&& value) {
+    if constexpr (std::is_same_v<Stored, std::remove_cvref_t<X>> && !std::is_lvalue_reference_v<X>) {
+      if (!detail::moves_without_allocating<B>(value)) {
+        ::new (node) entry{std::move(id), value_type(std::in_place_type<Stored>, std::as_const(value))};
+        return;
+      }
+    }
+    ::new (node) entry{std::move(id), value_type(std::in_place_type<Stored>, std::forward<X>(value))};
+  }
+
+  /// Appends (`id`, `t`) within reserved capacity (see `construct_entry`).
+  template <class T>
+  void emplace_reserved(std::string&& id, tensor<T>&& t) {
+    entries_.emplace_back_with([&](void* node) { construct_entry<tensor<T>>(node, std::move(id), std::move(t)); });
+    indexed_last();
   }
 
   template <class F>
@@ -414,7 +435,7 @@ class gradients_params {
         auto converted =
             detail::visit_gradient([](const auto& value) { return B::template convert<W>(value); }, e.value);
         transform(converted);
-        result.push_back_reserved(entry{e.id, value_type(std::in_place_type<tensor<W>>, std::move(converted))});
+        result.emplace_reserved(std::string(e.id), std::move(converted));
       });
     }
     return result;
@@ -451,13 +472,17 @@ class gradients_params {
   template <class X>
   static tensor_record record_of(const std::string& id, const X& value) {
     using T = detail::element_of<B, X>;
-    const tensor<T>* owned = nullptr;
-    std::optional<tensor<T>> copy;  // tensors need not be default-constructible
-    if constexpr (std::is_same_v<std::remove_cvref_t<X>, tensor<T>>) {
-      owned = &value;
+    if constexpr (!std::is_same_v<std::remove_cvref_t<X>, tensor<T>>) {
+      const tensor<T> copy = B::template convert<T>(value);  // a view: copy it into an owned tensor first
+      return record_of(id, copy);
     } else {
-      owned = &copy.emplace(B::template convert<T>(value));  // a view: copy it into an owned tensor first
+      return record_of_owned(id, value);
     }
+  }
+
+  template <class T>
+  static tensor_record record_of_owned(const std::string& id, const tensor<T>& value) {
+    const tensor<T>* owned = &value;
     tensor_record record{id, dtype_of<T>, {}, {}};
     const tensor_shape shape = B::shape(*owned);
     record.shape.assign(shape.begin(), shape.end());
@@ -489,32 +514,31 @@ class gradients_params {
     }
   };
 
-  /// A tensor of `shape` holding `values` (see `builder::add`).
+  /// Appends (`id`, a tensor of `shape` holding `values`) to `built`, which has room for it
+  /// (see `builder::add`). The tensor is made where it is kept, never moved after.
   template <class Values>
-  static value_type tensor_from(float_dtype dtype, const tensor_shape& shape, const typename B::device_type& device,
-                                const Values& values) {
-    std::optional<value_type> result;
+  static void add_tensor_from(gradients_params& built, std::string&& id, float_dtype dtype, const tensor_shape& shape,
+                              const typename B::device_type& device, const Values& values) {
+    bool added = false;
     detail::for_each_type<typename B::element_types>([&]<class T>() {
-      if (dtype_of<T> != dtype || result) return;
+      if (dtype_of<T> != dtype || added) return;
+      added = true;
       if constexpr (sizeof(T) == 2) {
         std::vector<std::uint16_t> bits;
         values.into(bits);
         std::vector<T> elements(bits.size());
         std::transform(bits.begin(), bits.end(), elements.begin(), [](std::uint16_t b) { return std::bit_cast<T>(b); });
-        result.emplace(std::in_place_type<tensor<T>>,
-                       B::template from_row_major<T>(std::span<const T>(elements), shape, device));
+        built.emplace_reserved(std::move(id),
+                               B::template from_row_major<T>(std::span<const T>(elements), shape, device));
       } else {
-        if (auto in_place = detail::filled_in_place<B, T>(shape, device, values)) {
-          result.emplace(std::in_place_type<tensor<T>>, std::move(*in_place));
-          return;
-        }
+        const auto store = [&](tensor<T>&& created) { built.emplace_reserved(std::move(id), std::move(created)); };
+        if (detail::fill_in_place<B, T>(shape, device, values, store)) return;
         std::vector<T> row_major;
         values.into(row_major);
-        result.emplace(std::in_place_type<tensor<T>>,
-                       B::template from_row_major<T>(std::span<const T>(row_major), shape, device));
+        built.emplace_reserved(std::move(id),
+                               B::template from_row_major<T>(std::span<const T>(row_major), shape, device));
       }
     });
-    return std::move(*result);
   }
 
   /// Entries sorted by id: the order of records.

@@ -211,6 +211,25 @@ class stable_vector {
     std::construct_at(nodes_[size_], std::move(value));
     ++size_;
   }
+  /// Constructs an element in the next spare node: `make(node)` must construct a T at `node`
+  /// (placement new, so that a prvalue initializes the node itself and nothing is moved).
+  /// Precondition: `size() < capacity()`. If `make` throws, nothing changed.
+  template <class Make>
+  void emplace_back_with(Make&& make) {
+    std::forward<Make>(make)(static_cast<void*>(nodes_[size_]));
+    ++size_;
+  }
+
+  /// Replaces the `i`-th element by one `make` constructs in a spare node (see
+  /// `emplace_back_with`), so the old one stays whole if that throws. Precondition:
+  /// `size() < capacity()`.
+  template <class Make>
+  void replace_with(std::size_t i, Make&& make) {
+    std::forward<Make>(make)(static_cast<void*>(nodes_[size_]));
+    std::destroy_at(nodes_[i]);
+    std::swap(nodes_[i], nodes_[size_]);
+  }
+
   /// Copies straight into the node (a copy, then a move, would move the tensor).
   void push_back(const T& value) {
     std::construct_at(nodes_[size_], value);
@@ -240,6 +259,18 @@ class stable_vector {
   std::vector<block> blocks_;
   std::size_t size_ = 0;
 };
+
+/// Whether moving `t` cannot allocate: the backend's `moves_without_allocating(t)` where it has
+/// one, else true. A tensor for which it is false is copied into its entry instead of moved
+/// (the copy may throw `std::bad_alloc`; the move, declared noexcept, would terminate).
+template <class B, class X>
+bool moves_without_allocating(const X& x) noexcept {
+  if constexpr (requires { B::moves_without_allocating(x); }) {
+    return B::moves_without_allocating(x);
+  } else {
+    return true;
+  }
+}
 
 /// Reserves room for `count` elements, growing geometrically (see `reserve_geometric` for
 /// vectors): nodes are allocated for twice the elements at a time.

@@ -180,6 +180,14 @@ struct xtensor_backend {
     return out;
   }
 
+  /// xtensor 0.24 declares its moves noexcept, but its shapes hold 4 dimensions inline: moving
+  /// a tensor of higher rank allocates, and would terminate if that failed. The library copies
+  /// those tensors instead of moving them.
+  template <class T>
+  static bool moves_without_allocating(const tensor<T>& t) noexcept {
+    return t.dimension() <= 4;
+  }
+
   template <class T>
   static tensor<T> uninitialized(const tensor_shape& s, const device_type& /*device*/) {
     return tensor<T>(to_shape_type(s));
