@@ -149,9 +149,17 @@ class gradients_params {
     requires detail::is_gradient_alternative<B, X>
   void insert(std::string_view id, X&& value) {
     using stored = stored_type<std::remove_cvref_t<X>>;
-    reserve(entries_.size() + 1);  // a spare node, for a new entry or a replacement
+    const auto position = find(id);
+    if (position && !std::is_same_v<stored, std::remove_cvref_t<X>>) {
+      // A view re-seats its slot: nothing allocates, nothing throws once it is built.
+      value_type replacement(std::in_place_type<stored>, std::forward<X>(value));
+      entries_[*position].value = std::move(replacement);
+      values_.renew();
+      return;
+    }
+    reserve(entries_.size() + 1);  // a spare node, for a new entry or a replacement tensor
     const auto construct = [&](void* node) { construct_entry<stored>(node, std::string(id), std::forward<X>(value)); };
-    if (const auto position = find(id)) {
+    if (position) {
       // Built in a spare node first: the old entry stays whole if that throws.
       entries_.replace_with(*position, construct);
       values_.renew();
