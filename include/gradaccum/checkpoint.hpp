@@ -7,22 +7,30 @@
 /// - `save_checkpoint(path, record_or_accumulator[, format])` writes a temporary file next to
 ///   `path`, flushes and fsyncs it, renames it over `path` and fsyncs the directory. A crash at
 ///   any moment leaves either the previous checkpoint or the new one at `path`, never a torn
-///   file (a stale `.<name>.tmp.*` file may remain beside it and can be deleted).
+///   file. A writer killed before its rename leaves `.gradaccum-<16 hex digits>.tmp` beside
+///   it, which no loader reads (safely ignored; it may be deleted). Any name up to NAME_MAX
+///   saves. A save that returns wrote exactly the record's bytes; one that throws, whatever
+///   allocation failed, left the previous file.
 /// - `save_checkpoint_async(path, accumulator[, format])` snapshots the accumulator (one copy of
 ///   the pending values on the calling thread) and writes on another thread. Saves to one path
 ///   land in the order they finish: wait for one before starting the next if order matters.
 /// - `load_checkpoint<Record>(path[, format])` and `load_checkpoint(path, params, accumulator
 ///   [, format])` read untrusted bytes: every problem with the content throws `gradaccum::error`
 ///   (`errc::invalid_record` or `errc::invalid_state`) naming the problem and the path; nothing
-///   larger than the file is ever allocated; JSON and XML documents nesting deeper than
-///   `max_document_depth` are rejected before cereal's recursive parsers see them; an
-///   accumulator is changed only when everything loaded and validated.
+///   larger than the file is ever allocated; checksums (record format 3) refuse any changed
+///   content; JSON and XML documents nesting deeper than `max_document_depth` are rejected; an
+///   accumulator is changed only when everything loaded and validated. Files that are not
+///   regular (FIFO, device, socket) are refused without blocking.
+/// - `checkpoint_version(path)` tells a file's record format version (3 has checksums).
 /// - `serialize_checkpoint` / `parse_checkpoint` do the same in memory.
 ///
 /// The format is explicit or follows the extension: `.bin` binary (native byte order, fastest),
 /// `.pbin` portable binary (little-endian tagged, any machine), `.json`, `.xml` (case-insensitive).
-/// Problems with the file itself (missing, unreadable, disk full, unknown extension) throw
-/// `std::filesystem::filesystem_error` naming the path.
+/// Problems with the file itself (missing, unreadable, not regular, disk full, unknown
+/// extension) throw `std::filesystem::filesystem_error` naming the path; running out of memory
+/// throws `std::bad_alloc`. JSON and XML files are written by the library's archives and JSON
+/// files read by its own parser (`detail/text_archives.hpp`); XML files are read by cereal's
+/// archive behind the checks of `detail/text_guards.hpp`.
 
 #include <algorithm>
 #include <bit>
