@@ -32,11 +32,10 @@ constexpr checkpoint_format format = checkpoint_format::GRADACCUM_FUZZ_FORMAT;
 template <class B>
 parameter_set<B> seed_parameters() {
   parameter_set<B> params;
-  for (const auto& [id, shape] : {std::pair<const char*, tensor_shape>{"b", {1, 2}},
-                                  {"w", {2, 3}},
-                                  {"x", {1, 3}},
-                                  {"z", {0, 4}},
-                                  {"scalar", {}}}) {
+  const std::pair<const char*, tensor_shape> geometry[] = {
+      {"b", {1, 2}}, {"w", {2, 3}}, {"x", {1, 3}}, {"z", {0, 4}}, {"scalar", {}}};
+  for (const auto& [id, declared] : geometry) {
+    const tensor_shape& shape = declared;  // a structured binding cannot appear in a requires-expression
     if constexpr (requires { B::represents(shape); }) {
       if (!B::represents(shape)) continue;
     }
