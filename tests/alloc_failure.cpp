@@ -1,6 +1,7 @@
 /// @file
 /// @brief Replaced operator new/delete and wrapped malloc behind `allocation_probe` (see
-/// alloc_failure.hpp). Link with `-Wl,--wrap=malloc`.
+/// alloc_failure.hpp). Link with
+/// `-Wl,--wrap=malloc,--wrap=realloc`.
 
 #include "alloc_failure.hpp"
 
@@ -53,6 +54,11 @@ void* __real_malloc(std::size_t size);
 void* __wrap_malloc(std::size_t size);
 void* __wrap_malloc(std::size_t size) {
   return allocation_allowed() ? __real_malloc(size) : nullptr;
+}
+void* __real_realloc(void* memory, std::size_t size);
+void* __wrap_realloc(void* memory, std::size_t size);
+void* __wrap_realloc(void* memory, std::size_t size) {
+  return allocation_allowed() ? __real_realloc(memory, size) : nullptr;
 }
 }
 // NOLINTEND(bugprone-reserved-identifier)

@@ -151,6 +151,20 @@ tensor_t<B, T> make_tensor(const tensor_shape& shape, std::initializer_list<doub
   return make_tensor<B, T>(shape, std::span<const double>(row_major.begin(), row_major.size()), device);
 }
 
+/// @brief Whether B's owned tensors can have `shape` (an Eigen matrix has rank 2, so it cannot
+/// hold a rank-3 gradient; such a gradient goes in as an `Eigen::Tensor` view instead).
+template <class B>
+bool tensors_can_have(const tensor_shape& shape) {
+  try {
+    const std::vector<double> values(*shape.checked_element_count(), 1.0);
+    (void)make_tensor<B, float>(shape, std::span<const double>(values));
+    return true;
+  } catch (const error& e) {
+    REQUIRE(e.code() == errc::parameter_mismatch);
+    return false;
+  }
+}
+
 /// @brief A tensor of B with every element equal to `value`.
 template <class B, class T>
 tensor_t<B, T> filled(const tensor_shape& shape, double value,

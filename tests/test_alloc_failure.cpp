@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -106,6 +107,35 @@ TEST_CASE_TEMPLATE("an allocation failure in accumulate_sum leaves the window as
   const auto before_copy = acc.try_to_record();
   fail_each_allocation([&] { acc.accumulate_sum(copied_params, grads, 1); }, unchanged_from(before_copy));
   CHECK(acc.state().microbatches == 3);
+}
+
+TEST_CASE_TEMPLATE("pending tensors of every rank survive an allocation failure while a new id joins", B,
+                   GRADACCUM_TEST_BACKENDS) {
+  // Growing the pending storage must not move tensors: xtensor 0.24's noexcept move of a shape
+  // above rank 4 allocates, and a failure there terminated.
+  for (std::size_t rank = 0; rank <= max_rank; ++rank) {
+    std::vector<std::uint64_t> dims(rank, 1);
+    if (rank > 0) dims[0] = 2;
+    const tensor_shape shape{std::span<const std::uint64_t>(dims)};
+    if (!tensors_can_have<B>(shape)) continue;
+    CAPTURE(shape.to_string());
+    const auto device = backend_fixture<B>::device();
+    parameter_set<B> params;
+    params.add("big", shape, device);
+    for (int i = 0; i < 4; ++i) params.add("new" + std::to_string(i), tensor_shape{1, 1}, device);
+    gradients_params<B> big;
+    big.insert("big", make_tensor<B, float>(shape, multiples(shape, 1)));
+    weighted_gradients_accumulator<B> acc(float_dtype::f32, 1.0);
+    acc.accumulate_sum(params, big, 1);
+    for (int i = 0; i < 4; ++i) {  // each joins a window whose storage must grow
+      gradients_params<B> fresh;
+      fresh.insert("new" + std::to_string(i), make_tensor<B, float>({1, 1}, {2}));
+      const auto before = acc.try_to_record();
+      fail_each_allocation([&] { acc.accumulate_sum(params, fresh, 1); },
+                           [&] { GRADACCUM_CHECK_SAME_BITS(acc.try_to_record(), before); });
+    }
+    CHECK(acc.pending().size() == 5);
+  }
 }
 
 TEST_CASE_TEMPLATE("an allocation failure while converting pending sums to another dtype changes nothing", B,

@@ -132,8 +132,11 @@ int main(int argc, char** argv) {
     const checkpoint_format format = given ? *given : checkpoint_format_for(path);
     std::printf("file: %s\nformat: %s (%s)\n", path.c_str(), std::string(to_string(format)).c_str(),
                 given ? "given" : "from the extension");
-    const auto print_record_line = [](const char* type) {
-      std::printf("record: %s, format version %u\n", type, static_cast<unsigned>(record_format_version));
+    const auto print_record_line = [&](const char* type) {
+      const std::uint32_t version = checkpoint_version(path, format);
+      std::printf("record: %s, format version %u (%s)\n", type, static_cast<unsigned>(version),
+                  detail::has_checksum(version) ? "with an XXH3-64 checksum, verified"
+                                                : "no checksum: a changed value would load unnoticed");
     };
     if (record_kind != "gradients") {
       try {

@@ -28,6 +28,9 @@
 ///   template <class W> static auto map(std::span<const W> row_major, const gradaccum::tensor_shape&,
 ///                                      const device_type&);
 ///   template <class W> static tensor<W> convert(const X&);   // an owned copy in element type W
+///   // optional: whether moving t cannot allocate. Where it is false the library copies t
+///   // into its storage instead (a move declared noexcept that allocates would terminate).
+///   static bool moves_without_allocating(const tensor<T>& t) noexcept;
 ///   // serializable_backend adds (records of gradients, not of pending sums, which are row-major already):
 ///   static void to_row_major(const tensor<T>&, std::span<T> out);
 ///   template <class T> static tensor<T> from_row_major(std::span<const T>, const gradaccum::tensor_shape&,
@@ -52,6 +55,7 @@
 #include "gradaccum/type_list.hpp"
 
 namespace gradaccum {
+
 namespace detail {
 
 template <class B>

@@ -11,11 +11,20 @@
 /// | type                          | fields, in order                                              |
 /// |-------------------------------|---------------------------------------------------------------|
 /// | `weighted_gradients_record`   | `state`, `gradients`                                          |
-/// | `weighted_accumulation_state` | `dtype` (text name), `loss_scale`, `total_weight`, `microbatches` |
-/// | `gradients_params_record`     | `tensors` (in record order: sorted by id)                     |
+/// | `weighted_accumulation_state` | `dtype` (text name), `loss_scale`, `total_weight`, `microbatches`, `checksum` |
+/// | `gradients_params_record`     | `tensors` (in record order: sorted by id), `checksum`         |
 /// | `tensor_record`               | `id`, `dtype` (text name), `shape`, `values` (row-major)      |
 ///
 /// - Every type carries `record_format_version` as its cereal class version.
+/// - `checksum` is the XXH3-64 of the content before it, over a canonical byte stream that does
+///   not depend on the archive: for a state its dtype name, the bits of `loss_scale` and
+///   `total_weight` and `microbatches`; for gradients each tensor's id, dtype name, rank,
+///   dimensions, value count and values (16-bit values as their bit patterns), integers and
+///   values little-endian and text as its length and bytes. Loading recomputes it and refuses
+///   a mismatch with `errc::invalid_record`, so a changed bit that still parses (a value, an
+///   id, a weight) is caught. Version 2 records (no checksum) still load.
+/// - Ids are at most `max_id_length` bytes. Text archives cannot hold an id with a NUL byte
+///   (cereal's JSON and XML archives cut strings there): saving one to them throws.
 /// - Dtypes are written as their text names ("F32"); 16-bit values as their bit patterns.
 /// - Binary archives write each string and each list as a size followed by one raw block
 ///   (`cereal::binary_data`), never element by element. Text archives write shapes as arrays of
@@ -33,6 +42,12 @@
 /// anything is allocated, and raw blocks are read in chunks that grow geometrically with what
 /// has been read — or at once when the archive knows how many bytes remain and they suffice
 /// (the archives of `<gradaccum/checkpoint.hpp>` do).
+///
+/// cereal's XML output archive formats every value through a stream that swallows
+/// `std::bad_alloc`, and its JSON archive terminates when a save throws midway; the checkpoint
+/// functions of `<gradaccum/checkpoint.hpp>` write with the library's own archives instead
+/// (`detail/text_archives.hpp`). A plain `archive(record)` into cereal's text archives keeps
+/// those faults; the checksum then refuses at load what a swallowed failure wrote wrong.
 ///
 /// Some failures happen inside cereal before these functions run, so a plain `archive(record)`
 /// of untrusted bytes also needs what `parse_checkpoint` and `load_checkpoint` add: they turn
@@ -63,6 +78,8 @@
 
 #include <cereal/cereal.hpp>
 
+#include "gradaccum/detail/checksum.hpp"
+#include "gradaccum/detail/text_guards.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/records.hpp"
@@ -75,9 +92,13 @@ class XMLInputArchive;  // only compared against: its integer parsing needs a st
 namespace gradaccum {
 
 /// @brief Version of the record format: the cereal class version of every record type. Loading
-/// rejects any other version. Version 2 writes text archives' values as one string of shortest
-/// round-trip numbers (version 1 wrote arrays of doubles); binary layouts are unchanged.
-inline constexpr std::uint32_t record_format_version = 2;
+/// reads this version and version 2 (which has no checksums). Version 3 adds `checksum` to
+/// states and gradients records; version 2 writes text archives' values as one string of
+/// shortest round-trip numbers (version 1, not read, wrote arrays of doubles).
+inline constexpr std::uint32_t record_format_version = 3;
+
+/// @brief Oldest record format version that loads.
+inline constexpr std::uint32_t oldest_record_format_version = 2;
 
 namespace detail {
 
@@ -217,7 +238,7 @@ void save_elements(Archive& ar, std::span<const T> values) {
   if constexpr (is_text_archive<Archive>) {
     for (const T& value : values) ar(value);
   } else {
-    ar(cereal::binary_data(values.data(), values.size() * sizeof(T)));
+    if (!values.empty()) ar(cereal::binary_data(values.data(), values.size() * sizeof(T)));
   }
 }
 
@@ -243,7 +264,8 @@ std::optional<std::uint64_t> check_block_fits(const Archive& ar, std::uint64_t c
 /// grows geometrically from 4 KiB with what has actually been read. Either way reads go in
 /// chunks of at most 1 MiB, so value-initializing a chunk and filling it share the cache.
 template <class Archive, class Container>
-void load_raw(Archive& ar, Container& out, std::uint64_t count, const load_site& site, std::string_view field) {
+void load_raw(Archive& ar, Container& out, std::uint64_t count, const load_site& site, std::string_view field,
+              content_hash* hash = nullptr) {
   using T = typename Container::value_type;
   const bool sized = check_block_fits<T>(ar, count, site, field).has_value();
   constexpr std::size_t first_capacity = 4096 / sizeof(T);
@@ -257,6 +279,7 @@ void load_raw(Archive& ar, Container& out, std::uint64_t count, const load_site&
     const std::size_t chunk = std::min({loaded.capacity() - done, max_chunk, total - done});
     loaded.resize(done + chunk);
     ar(cereal::binary_data(loaded.data() + done, chunk * sizeof(T)));
+    if (hash != nullptr) hash->add_values(std::span<const T>(loaded.data() + done, chunk));
   }
   out = std::move(loaded);
 }
@@ -272,10 +295,9 @@ std::uint64_t load_unsigned(Archive& ar, const load_site& site, const char* fiel
       // cereal parses XML integers with std::stoull, which reads "-1" as 2^64 - 1.
       std::string text;
       transfer(ar, field, text);
-      const auto [end, problem] = std::from_chars(text.data(), text.data() + text.size(), value);
-      if (problem != std::errc{} || end != text.data() + text.size()) {
-        throw std::invalid_argument(quote(text) + " is not a non-negative integer");
-      }
+      const std::optional<std::uint64_t> parsed = parse_number<std::uint64_t>(text);
+      if (!parsed) throw std::invalid_argument(quote(text) + " is not a non-negative integer");
+      value = *parsed;
     } else {
       transfer(ar, field, value);
     }
@@ -288,9 +310,29 @@ std::uint64_t load_unsigned(Archive& ar, const load_site& site, const char* fiel
 }
 
 template <class Archive>
+void check_checksum(Archive& ar, const load_site& site, std::uint64_t computed) {
+  const std::uint64_t stored = load_unsigned(ar, site, "checksum", std::numeric_limits<std::uint64_t>::max());
+  if (stored != computed) {
+    site.fail("has checksum " + std::to_string(stored) + " but its content hashes to " + std::to_string(computed) +
+              ": the checkpoint is corrupt.");
+  }
+}
+
+template <class Archive>
 double load_real(Archive& ar, const load_site& site, const char* field) {
   double value = 0.0;
-  read_field<Archive>(site, field != nullptr ? field : "element", "a number", [&] { transfer(ar, field, value); });
+  read_field<Archive>(site, field != nullptr ? field : "element", "a number", [&] {
+    if constexpr (std::is_same_v<Archive, cereal::XMLInputArchive>) {
+      // cereal parses XML reals with std::stod, which reads "2abc" as 2 and "0x10" as 16.
+      std::string text;
+      transfer(ar, field, text);
+      const std::optional<double> parsed = parse_number<double>(text);
+      if (!parsed) throw std::invalid_argument(quote(text) + " is not a decimal number");
+      value = *parsed;
+    } else {
+      transfer(ar, field, value);
+    }
+  });
   return value;
 }
 
@@ -364,7 +406,7 @@ void save_string(Archive& ar, const char* field, std::string_view text) {
     ar(cereal::make_nvp(field, std::string(text)));
   } else {
     ar(cereal::make_size_tag(static_cast<cereal::size_type>(text.size())));
-    ar(cereal::binary_data(text.data(), text.size()));
+    if (!text.empty()) ar(cereal::binary_data(text.data(), text.size()));
   }
 }
 
@@ -420,28 +462,134 @@ decltype(auto) visit_stored_type(float_dtype dtype, F&& f) {
   return std::forward<F>(f).template operator()<std::uint16_t>();
 }
 
+/// The format version of the record whose fields are loading on this thread, 0 outside one.
+/// Every writer gives nested records the version of the record holding them, so a changed bit
+/// in the version of a record without content of its own is refused too.
+inline thread_local std::uint32_t enclosing_version = 0;
+
+/// @brief Makes `version` the `enclosing_version` while alive.
+class version_scope {
+ public:
+  explicit version_scope(std::uint32_t version) noexcept : previous_(std::exchange(enclosing_version, version)) {}
+  version_scope(const version_scope&) = delete;
+  version_scope& operator=(const version_scope&) = delete;
+  ~version_scope() { enclosing_version = previous_; }
+
+ private:
+  std::uint32_t previous_;
+};
+
 inline void check_format_version(std::uint32_t version, std::string_view type) {
-  if (version != record_format_version) {
+  if (version < oldest_record_format_version || version > record_format_version) {
     fail(errc::invalid_record, std::string(type) + " has format version " + std::to_string(version) +
-                                   "; this build reads version " + std::to_string(record_format_version) +
-                                   (version < record_format_version ? " (older versions are not read)." : "."));
+                                   "; this build reads versions " + std::to_string(oldest_record_format_version) +
+                                   " to " + std::to_string(record_format_version) + ".");
+  }
+  if (enclosing_version != 0 && version != enclosing_version) {
+    fail(errc::invalid_record, std::string(type) + " has format version " + std::to_string(version) +
+                                   " inside a record of version " + std::to_string(enclosing_version) +
+                                   ": the checkpoint is corrupt.");
   }
 }
 
+/// Whether a record of this format version carries a checksum.
+constexpr bool has_checksum(std::uint32_t version) noexcept {
+  return version >= 3;
+}
+
+// ---- Checksums ---------------------------------------------------------------------------------
+
+/// The hash of the gradients record being saved or loaded on this thread, if any. Tensors reach
+/// it through cereal (the first of a list, and every tensor of a text archive, go through
+/// cereal to keep its version bookkeeping), whose calls carry no context of ours.
+inline thread_local content_hash* active_hash = nullptr;
+
+/// @brief Makes `hash` the `active_hash` while alive.
+class hash_scope {
+ public:
+  explicit hash_scope(content_hash* hash) noexcept : previous_(std::exchange(active_hash, hash)) {}
+  hash_scope(const hash_scope&) = delete;
+  hash_scope& operator=(const hash_scope&) = delete;
+  ~hash_scope() { active_hash = previous_; }
+
+ private:
+  content_hash* previous_;
+};
+
+/// What a tensor contributes to its record's checksum before its values.
+inline void hash_tensor_header(content_hash& hash, std::string_view id, float_dtype dtype,
+                               std::span<const std::uint64_t> shape, std::uint64_t count) noexcept {
+  hash.add(id);
+  hash.add(to_string(dtype));
+  hash.add(static_cast<std::uint64_t>(shape.size()));
+  for (const std::uint64_t dim : shape) hash.add(dim);
+  hash.add(count);
+}
+
+inline std::uint64_t state_checksum(const weighted_accumulation_state& state) noexcept {
+  content_hash hash;
+  hash.add(to_string(state.dtype));
+  hash.add(state.loss_scale);
+  hash.add(state.total_weight);
+  hash.add(state.microbatches);
+  return hash.digest();
+}
+
+/// Reads a record's checksum and compares it with what its content hashed to.
+template <class Archive>
+void check_checksum(Archive& ar, const load_site& site, std::uint64_t computed);
+
+/// Values go through the hash and the archive in blocks of this many bytes, so a block is
+/// still in cache when the second pass reads it.
+inline constexpr std::size_t hashed_block_bytes = std::size_t{1} << 18;
+
 // ---- Saving ------------------------------------------------------------------------------------
+
+/// Refuses an id that would not load back: too long, or with a NUL byte in a text archive.
+template <class Archive>
+void check_saved_id(std::string_view id) {
+  if (id.size() > max_id_length) {
+    fail(errc::invalid_record,
+         "tensor id " + quote(id) + " has " + std::to_string(id.size()) + " bytes, more than the " +
+             std::to_string(max_id_length) + " allowed.",
+         std::string(id.substr(0, 64)));
+  }
+  if (is_text_archive<Archive> && id.find('\0') != std::string_view::npos) {
+    fail(errc::invalid_record,
+         "tensor id " + quote(id) +
+             " holds a NUL byte, which JSON and XML archives cannot hold; save it in a "
+             "binary format.",
+         std::string(id));
+  }
+}
+
+/// Writes values as one raw block (in pieces, each hashed first when a checksum is being taken).
+template <class Archive, class T>
+void save_raw_values(Archive& ar, std::span<const T> values, content_hash* hash) {
+  constexpr std::size_t block = hashed_block_bytes / sizeof(T);
+  for (std::size_t done = 0; done < values.size(); done += block) {
+    const std::span<const T> piece = values.subspan(done, std::min(block, values.size() - done));
+    if (hash != nullptr) hash->add_values(piece);
+    ar(cereal::binary_data(piece.data(), piece.size_bytes()));
+  }
+}
 
 template <class Archive>
 void save_tensor(Archive& ar, const tensor_view& tensor) {
+  check_saved_id<Archive>(tensor.id);
+  content_hash* const hash = active_hash;
   save_string(ar, "id", tensor.id);
   save_string(ar, "dtype", to_string(tensor.dtype));
   ar(cereal::make_nvp("shape", archive_node{[&](auto& node) { save_elements(node, tensor.shape); }}));
   std::visit(
       [&](const auto values) {
+        if (hash != nullptr) hash_tensor_header(*hash, tensor.id, tensor.dtype, tensor.shape, values.size());
         if constexpr (is_text_archive<Archive>) {
+          if (hash != nullptr) hash->add_text_values(values);
           ar(cereal::make_nvp("values", values_text(values)));
         } else {
           ar(cereal::make_size_tag(static_cast<cereal::size_type>(values.size())));
-          ar(cereal::binary_data(values.data(), values.size_bytes()));
+          save_raw_values(ar, values, hash);
         }
       },
       tensor.values);
@@ -470,6 +618,17 @@ void save_tensors(Archive& ar, const Tensors& tensors) {
                       }}));
 }
 
+/// `save_tensors`, then the checksum of what they hold.
+template <class Archive, class Tensors>
+void save_checksummed_tensors(Archive& ar, const Tensors& tensors) {
+  content_hash hash;
+  {
+    const hash_scope scope(&hash);
+    save_tensors(ar, tensors);
+  }
+  ar(cereal::make_nvp("checksum", hash.digest()));
+}
+
 template <class Archive>
 void save(Archive& ar, const tensor_view& tensor, const std::uint32_t /*version*/) {
   save_tensor(ar, tensor);
@@ -477,7 +636,7 @@ void save(Archive& ar, const tensor_view& tensor, const std::uint32_t /*version*
 
 template <class Archive>
 void save(Archive& ar, const gradients_view& gradients, const std::uint32_t /*version*/) {
-  save_tensors(ar, gradients.tensors);
+  save_checksummed_tensors(ar, gradients.tensors);
 }
 
 template <class Archive>
@@ -500,16 +659,23 @@ void save(Archive& ar, const weighted_gradients_view& record, const std::uint32_
 template <class Archive>
 class values_reader {
  public:
-  values_reader(Archive& ar, std::uint64_t count, const load_site& site, std::string_view text) noexcept
-      : ar_(ar), count_(count), site_(site), text_(text) {}
+  values_reader(Archive& ar, std::uint64_t count, const load_site& site, std::string_view text,
+                content_hash* hash) noexcept
+      : ar_(ar), count_(count), site_(site), text_(text), hash_(hash) {}
 
   /// Reads the values into `out` (exactly `count` elements, e.g. a tensor's storage).
   template <raw_element S>
   void into(std::span<S> out) const {
     if constexpr (is_text_archive<Archive>) {
       parse_values_text(text_, out, site_);
+      if (hash_ != nullptr) hash_->add_text_values(std::span<const S>(out));
     } else {
-      ar_(cereal::binary_data(out.data(), out.size_bytes()));
+      constexpr std::size_t block = hashed_block_bytes / sizeof(S);
+      for (std::size_t done = 0; done < out.size(); done += block) {
+        const std::span<S> piece = out.subspan(done, std::min(block, out.size() - done));
+        ar_(cereal::binary_data(piece.data(), piece.size_bytes()));
+        if (hash_ != nullptr) hash_->add_values(std::span<const S>(piece));
+      }
     }
   }
 
@@ -521,7 +687,7 @@ class values_reader {
       into(std::span<S>(loaded));
       out = std::move(loaded);
     } else {
-      load_raw(ar_, out, count_, site_, "values");
+      load_raw(ar_, out, count_, site_, "values", hash_);
     }
   }
 
@@ -530,13 +696,14 @@ class values_reader {
   std::uint64_t count_;
   const load_site& site_;
   std::string_view text_;  // text archives: the values' text, already read
+  content_hash* hash_;     // the gradients record's checksum being computed, if any
 };
 
 /// Reads one tensor's id, dtype and shape, then has `sink.add` take it and read its values.
 template <class Archive, class Sink>
 void load_tensor(Archive& ar, Sink& sink) {
-  std::string id =
-      load_string(ar, {errc::invalid_record, "a record tensor"}, "id", std::numeric_limits<std::uint64_t>::max());
+  content_hash* const hash = active_hash;
+  std::string id = load_string(ar, {errc::invalid_record, "a record tensor"}, "id", max_id_length);
   const load_site site{errc::invalid_record, "record tensor", &id};
   const float_dtype dtype = load_dtype(ar, site);
 
@@ -556,7 +723,7 @@ void load_tensor(Archive& ar, Sink& sink) {
                               dims[axis] =
                                   load_unsigned(node, site, nullptr, std::numeric_limits<std::uint64_t>::max());
                             }
-                          } else {
+                          } else if (rank != 0) {
                             node(cereal::binary_data(dims.data(), rank * sizeof(std::uint64_t)));
                           }
                         }}));
@@ -564,6 +731,7 @@ void load_tensor(Archive& ar, Sink& sink) {
   const tensor_shape shape(std::span<const std::uint64_t>(dims.data(), rank));
   const std::optional<std::size_t> elements = shape.checked_element_count();
   if (!elements) site.fail("has shape " + shape.to_string() + ", whose element count overflows.");
+  if (hash != nullptr) hash_tensor_header(*hash, id, dtype, std::span(dims.data(), rank), *elements);
 
   read_field<Archive>(site, "values", is_text_archive<Archive> ? "a string of numbers" : "", [&] {
     if constexpr (is_text_archive<Archive>) {
@@ -575,7 +743,7 @@ void load_tensor(Archive& ar, Sink& sink) {
         site.fail("has " + std::to_string(text.size()) + " characters of values, too few for the " +
                   std::to_string(*elements) + " elements of shape " + shape.to_string() + ".");
       }
-      sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, *elements, site, text));
+      sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, *elements, site, text, hash));
     } else {
       cereal::size_type count = 0;
       ar(cereal::make_size_tag(count));
@@ -584,7 +752,7 @@ void load_tensor(Archive& ar, Sink& sink) {
                   std::to_string(*elements) + " elements.");
       }
       visit_stored_type(dtype, [&]<class S>() { check_block_fits<S>(ar, count, site, "values"); });
-      sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, count, site, {}));
+      sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, count, site, {}, hash));
     }
   });
 }
@@ -642,7 +810,10 @@ void load(Archive& ar, tensor_into<Sink>& into, const std::uint32_t version) {
 template <class Archive, class Sink>
 void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) {
   check_format_version(version, "a gradients record");
+  const version_scope nested(version);
   const load_site site{errc::invalid_record, "gradients record"};
+  content_hash hash;
+  const hash_scope scope(has_checksum(version) ? &hash : nullptr);
   read_field<Archive>(site, "tensors", "a list of tensors", [&] {
     ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
                           cereal::size_type count = 0;
@@ -665,11 +836,13 @@ void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) 
                           }
                         }}));
   });
+  if (has_checksum(version)) check_checksum(ar, site, hash.digest());
 }
 
 template <class Archive, class Sink>
 void load(Archive& ar, weighted_into<Sink>& into, const std::uint32_t version) {
   check_format_version(version, "a weighted gradients record");
+  const version_scope nested(version);
   weighted_accumulation_state state;
   // The state comes first, so a reader learns the work dtype before any tensor.
   read_field<Archive>({errc::invalid_state, "weighted gradients record"}, "state", "an accumulation state",
@@ -712,7 +885,7 @@ void load(Archive& ar, tensor_record& tensor, const std::uint32_t version) {
 template <class Archive>
 void save(Archive& ar, const gradients_params_record& record, const std::uint32_t /*version*/) {
   validate(record);
-  detail::save_tensors(ar, record.tensors);
+  detail::save_checksummed_tensors(ar, record.tensors);
 }
 
 template <class Archive>
@@ -730,7 +903,7 @@ void save(Archive& ar, const weighted_accumulation_state& state, const std::uint
   validate(state);
   detail::save_string(ar, "dtype", to_string(state.dtype));
   ar(cereal::make_nvp("loss_scale", state.loss_scale), cereal::make_nvp("total_weight", state.total_weight),
-     cereal::make_nvp("microbatches", state.microbatches));
+     cereal::make_nvp("microbatches", state.microbatches), cereal::make_nvp("checksum", detail::state_checksum(state)));
 }
 
 template <class Archive>
@@ -742,6 +915,10 @@ void load(Archive& ar, weighted_accumulation_state& state, const std::uint32_t v
   loaded.loss_scale = detail::load_real(ar, site, "loss_scale");
   loaded.total_weight = detail::load_real(ar, site, "total_weight");
   loaded.microbatches = detail::load_unsigned(ar, site, "microbatches", std::numeric_limits<std::uint64_t>::max());
+  // The checksum first: a corrupt state is reported as corrupt, not as an implausible value.
+  if (detail::has_checksum(version)) {
+    detail::check_checksum(ar, {errc::invalid_record, "accumulation state"}, detail::state_checksum(loaded));
+  }
   validate(loaded);
   state = loaded;
 }

@@ -7,6 +7,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -144,19 +145,39 @@ class gradients_params {
   void insert(std::string_view id, X&& value) {
     if constexpr (detail::gradient_input<B, X>) {
       using stored = stored_type<detail::alternative_t<B, X>>;
-      // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
-      value_type converted(std::in_place_type<stored>, detail::as_alternative<B>(id, std::forward<X>(value)));
-      const std::size_t parameter =
-          params_
-              ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); }, converted)
-              : 0;
-      if (const auto position = find(id)) {
-        entries_[*position].value = std::move(converted);
-        entries_[*position].position = parameter;
+      const auto position = find(id);
+      if constexpr (!std::is_same_v<stored, detail::alternative_t<B, X>>) {
+        if (position) {  // a view re-seats its slot: nothing allocates
+          value_type replacement(std::in_place_type<stored>, detail::as_alternative<B>(id, std::forward<X>(value)));
+          const std::size_t parameter =
+              params_ ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); },
+                                               replacement)
+                      : 0;
+          entries_[*position].value = std::move(replacement);
+          entries_[*position].position = parameter;
+          return;
+        }
+      }
+      reserve(entries_.size() + 1);  // a spare node: for a new entry, or beside the one replaced
+      const auto construct = [&](void* node) {
+        auto&& converted = detail::as_alternative<B>(id, std::forward<X>(value));
+        entry* made = construct_entry<stored>(node, std::string(id), std::forward<decltype(converted)>(converted));
+        if (params_) {
+          try {
+            made->position =
+                detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); }, made->value);
+          } catch (...) {
+            std::destroy_at(made);
+            throw;
+          }
+        }
+      };
+      if (position) {
+        entries_.replace_with(*position, construct);  // the old entry stays whole if this throws
         return;
       }
-      entry added{std::string(id), std::move(converted), parameter};
-      push_back(std::move(added));
+      entries_.emplace_back_with(construct);
+      index_.insert(entries_.size() - 1, entries_.back().id);
     } else {
       detail::reject_input<B, X>();
     }
@@ -203,7 +224,7 @@ class gradients_params {
   bool erase(std::string_view id) noexcept {
     const auto position = find(id);
     if (!position) return false;
-    entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(*position));
+    entries_.erase(*position);
     index_.rebuild(entries_.size(), key_of());
     return true;
   }
@@ -256,7 +277,7 @@ class gradients_params {
     restored.reserve(record.tensors.size());
     for (const tensor_record& t : record.tensors) {
       const auto& param = params[check_against(params, t.id, t.dtype, detail::record_shape(t))];
-      restored.push_back_reserved(entry{t.id, tensor_from(t.dtype, param.shape, param.device, t.values)});
+      restored.emplace_from(t.id, t.dtype, param.shape, param.device, t.values);
     }
     return restored;
   }
@@ -279,20 +300,43 @@ class gradients_params {
     return [this](std::size_t position) -> std::string_view { return entries_[position].id; };
   }
 
-  /// Appends with the strong guarantee: reserve both containers, then commit without throwing.
-  void push_back(entry&& added) {
-    reserve(entries_.size() + 1);
-    push_back_reserved(std::move(added));
-  }
-
   void reserve(std::size_t count) {
     detail::reserve_geometric(entries_, count);
     index_.reserve(count, key_of());
   }
 
-  /// Appends within reserved capacity (see `reserve`).
-  void push_back_reserved(entry&& added) noexcept {
-    entries_.push_back(std::move(added));
+  /// Constructs the entry (`id`, `value`) at `node` and returns it. A tensor is moved in only
+  /// where that cannot allocate, else copied (see `detail::moves_without_allocating`): its move
+  /// is declared noexcept, so an allocation failing inside it would terminate.
+  template <class Stored, class X>
+  static entry* construct_entry(void* node, std::string&& id, X&& value) {
+    if constexpr (std::is_same_v<Stored, std::remove_cvref_t<X>> && !std::is_lvalue_reference_v<X>) {
+      if (!detail::moves_without_allocating<B>(value)) {
+        return ::new (node) entry{std::move(id), value_type(std::in_place_type<Stored>, std::as_const(value))};
+      }
+    }
+    return ::new (node) entry{std::move(id), value_type(std::in_place_type<Stored>, std::forward<X>(value))};
+  }
+
+  /// Appends (`id`, a tensor of `shape` holding a record's row-major `values`), within reserved
+  /// capacity (see `reserve`).
+  void emplace_from(const std::string& id, float_dtype dtype, const tensor_shape& shape,
+                    const typename B::device_type& device, const record_values& values) {
+    detail::for_each_type<typename B::element_types>([&]<class T>() {
+      if (dtype_of<T> != dtype) return;
+      const auto emplace = [&](tensor<T>&& made) {
+        entries_.emplace_back_with(
+            [&](void* node) { construct_entry<tensor<T>>(node, std::string(id), std::move(made)); });
+      };
+      if constexpr (sizeof(T) == 2) {
+        const auto& bits = std::get<std::vector<std::uint16_t>>(values);
+        std::vector<T> elements(bits.size());
+        std::transform(bits.begin(), bits.end(), elements.begin(), [](std::uint16_t b) { return std::bit_cast<T>(b); });
+        emplace(B::template from_row_major<T>(std::span<const T>(elements), shape, device));
+      } else {
+        emplace(B::template from_row_major<T>(std::span<const T>(std::get<std::vector<T>>(values)), shape, device));
+      }
+    });
     index_.insert(entries_.size() - 1, entries_.back().id);
   }
 
@@ -351,27 +395,6 @@ class gradients_params {
     return record;
   }
 
-  /// A tensor of `shape` holding a record's row-major `values`.
-  static value_type tensor_from(float_dtype dtype, const tensor_shape& shape, const typename B::device_type& device,
-                                const record_values& values) {
-    std::optional<value_type> result;
-    detail::for_each_type<typename B::element_types>([&]<class T>() {
-      if (dtype_of<T> != dtype || result) return;
-      if constexpr (sizeof(T) == 2) {
-        const auto& bits = std::get<std::vector<std::uint16_t>>(values);
-        std::vector<T> elements(bits.size());
-        std::transform(bits.begin(), bits.end(), elements.begin(), [](std::uint16_t b) { return std::bit_cast<T>(b); });
-        result.emplace(std::in_place_type<tensor<T>>,
-                       B::template from_row_major<T>(std::span<const T>(elements), shape, device));
-      } else {
-        result.emplace(
-            std::in_place_type<tensor<T>>,
-            B::template from_row_major<T>(std::span<const T>(std::get<std::vector<T>>(values)), shape, device));
-      }
-    });
-    return std::move(*result);
-  }
-
   /// Entries sorted by id: the order of records.
   std::vector<const entry*> sorted_entries() const {
     std::vector<const entry*> sorted;
@@ -381,7 +404,7 @@ class gradients_params {
     return sorted;
   }
 
-  std::vector<entry> entries_;
+  detail::stable_vector<entry> entries_;  // never moves a tensor when it grows
   detail::id_index index_;
   const parameter_set<B>* params_ = nullptr;  // the set ids are resolved against at insert, if any
   std::uint64_t params_identity_ = 0;

@@ -20,6 +20,11 @@
 
 namespace gradaccum {
 
+/// @brief Longest parameter id a record holds, in bytes. Saving a longer one, or loading a
+/// checkpoint that declares one, throws error(errc::invalid_record): a length field read from
+/// untrusted bytes is refused before anything is allocated for it.
+inline constexpr std::size_t max_id_length = 4096;
+
 /// @brief Row-major values of one tensor: 16-bit dtypes as their bit patterns.
 using record_values = std::variant<std::vector<std::uint16_t>, std::vector<float>, std::vector<double>>;
 
@@ -111,11 +116,17 @@ struct weighted_gradients_view {
 
 }  // namespace detail
 
-/// @brief Checks a record on its own: no duplicate ids, values of the declared dtype, element
-/// counts that match shapes.
+/// @brief Checks a record on its own: ids of at most `max_id_length` bytes, no duplicate ids, values of the declared
+/// dtype, element counts that match shapes.
 /// @throws error(errc::invalid_record) naming the first problem and the offending id.
 inline void validate(const gradients_params_record& record) {
   for (const tensor_record& tensor : record.tensors) {
+    if (tensor.id.size() > max_id_length) {
+      detail::fail(errc::invalid_record,
+                   "record tensor id of " + std::to_string(tensor.id.size()) + " bytes is longer than the " +
+                       std::to_string(max_id_length) + " allowed.",
+                   tensor.id.substr(0, 64));
+    }
     const tensor_shape shape = [&] {
       if (tensor.shape.size() > max_rank) {
         detail::fail(errc::invalid_record,

@@ -33,7 +33,8 @@ int main() {
           {"z", float_dtype::f64, {0, 4}, std::vector<double>{}}}},
         {float_dtype::f64, 0.5, 1e-300, std::numeric_limits<std::uint64_t>::max()}}},
   };
-  for (const checkpoint_format format : {checkpoint_format::binary, checkpoint_format::json, checkpoint_format::xml}) {
+  for (const checkpoint_format format : {checkpoint_format::binary, checkpoint_format::portable_binary,
+                                         checkpoint_format::json, checkpoint_format::xml}) {
     const std::filesystem::path directory = std::filesystem::path("corpus") / std::string(to_string(format));
     std::filesystem::create_directories(directory);
     for (const auto& [name, record] : seeds) {

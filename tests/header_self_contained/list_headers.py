@@ -25,6 +25,7 @@ COMPONENT_OF_PREFIX = {
     "xsimd/": "xtensor",
     "cereal/": "cereal",
     "rapidjson/": "cereal",  # Debian's cereal uses the system rapidjson
+    "xxhash.h": "cereal",  # checkpoint checksums (libxxhash, header-only)
     "mpi.h": "mpi",
 }
 # Components that are tensor backends, each with its own folder under backends/.

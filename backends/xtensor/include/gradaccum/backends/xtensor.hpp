@@ -232,6 +232,14 @@ struct xtensor_backend {
     return out;
   }
 
+  /// xtensor 0.24 declares its moves noexcept, but its shapes hold 4 dimensions inline: moving
+  /// a tensor of higher rank allocates, and would terminate if that failed. The library copies
+  /// those tensors instead of moving them.
+  template <class T>
+  static bool moves_without_allocating(const tensor<T>& t) noexcept {
+    return t.dimension() <= 4;
+  }
+
  private:
   static shape_type to_shape_type(const tensor_shape& s) { return {s.begin(), s.end()}; }
 };

@@ -1,0 +1,87 @@
+#pragma once
+/// @file
+/// @brief The checksum of a record's content: XXH3-64 (xxHash, header-only) over a canonical
+/// byte stream, the same whatever archive the record is written with.
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string_view>
+#include <type_traits>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace gradaccum::detail {
+
+/// @brief A running XXH3-64 over what `add` is given: integers and values as their
+/// little-endian bytes, text as its length and bytes.
+class content_hash {
+ public:
+  content_hash() noexcept { XXH3_64bits_reset(&state_); }
+
+  void add_bytes(const void* data, std::size_t size) noexcept {
+    if (size != 0) XXH3_64bits_update(&state_, data, size);
+  }
+  void add(std::uint64_t value) noexcept {
+    const std::uint64_t little = std::endian::native == std::endian::little ? value : byteswap(value);
+    add_bytes(&little, sizeof little);
+  }
+  void add(double value) noexcept { add(std::bit_cast<std::uint64_t>(value)); }
+  void add(std::string_view text) noexcept {
+    add(static_cast<std::uint64_t>(text.size()));
+    add_bytes(text.data(), text.size());
+  }
+  /// Values of 2, 4 or 8 bytes. Big-endian machines hash them element by element.
+  template <class T>
+  void add_values(std::span<const T> values) noexcept {
+    if constexpr (std::endian::native == std::endian::little) {
+      add_bytes(values.data(), values.size_bytes());
+    } else {
+      using bits = std::conditional_t<sizeof(T) == 2, std::uint16_t,
+                                      std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>>;
+      for (const T value : values) {
+        const bits little = byteswap(std::bit_cast<bits>(value));
+        add_bytes(&little, sizeof little);
+      }
+    }
+  }
+
+  /// Values as text archives keep them: a NaN as the default NaN of its sign (its payload is
+  /// not written), so a text checkpoint's checksum matches what it reads back.
+  template <class T>
+  void add_text_values(std::span<const T> values) noexcept {
+    if constexpr (std::is_floating_point_v<T>) {
+      std::array<T, 256> block{};
+      for (std::size_t done = 0; done < values.size(); done += block.size()) {
+        const std::size_t count = std::min(block.size(), values.size() - done);
+        for (std::size_t i = 0; i < count; ++i) {
+          const T value = values[done + i];
+          block[i] = std::isnan(value) ? std::copysign(std::numeric_limits<T>::quiet_NaN(), value) : value;
+        }
+        add_values(std::span<const T>(block.data(), count));
+      }
+    } else {
+      add_values(values);
+    }
+  }
+
+  [[nodiscard]] std::uint64_t digest() const noexcept { return XXH3_64bits_digest(&state_); }
+
+ private:
+  template <class U>
+  static constexpr U byteswap(U value) noexcept {
+    U swapped = 0;
+    for (std::size_t i = 0; i < sizeof(U); ++i) swapped = static_cast<U>((swapped << 8) | ((value >> (8 * i)) & 0xff));
+    return swapped;
+  }
+
+  XXH3_state_t state_{};
+};
+
+}  // namespace gradaccum::detail

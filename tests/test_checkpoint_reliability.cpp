@@ -1,0 +1,254 @@
+/// @file
+/// @brief Checkpoints lose nothing: checksums catch changed bits, files of format 2 still
+/// load, ids text archives cannot hold are refused, files that are not regular are refused
+/// without blocking, long names save, length fields cannot make a load allocate, and XML
+/// numbers parse strictly.
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <iterator>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <doctest/doctest.h>
+
+#include <gradaccum/backends/eigen.hpp>
+#include <gradaccum/checkpoint.hpp>
+#include <gradaccum/gradaccum.hpp>
+
+#include "test_checkpoint_support.hpp"
+
+using namespace gradaccum;
+using namespace gradaccum::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// The window the fixtures of format 2 (tests/fixtures/window_v2.*) were written from.
+weighted_gradients_record fixture_window() {
+  weighted_gradients_record r;
+  r.state = {float_dtype::f32, 1024.0, 320.5, 3};
+  r.gradients.tensors.push_back({"decoder.bias", float_dtype::f32, {1, 3}, std::vector<float>{0.5F, -1.25F, 3.0e-7F}});
+  r.gradients.tensors.push_back(
+      {"encoder.weight", float_dtype::f32, {2, 3}, std::vector<float>{1, 2, 3, -4, 5.5F, -1.2345678e-5F}});
+  return r;
+}
+
+std::string extension_of(checkpoint_format format) {
+  switch (format) {
+    case checkpoint_format::binary: return ".bin";
+    case checkpoint_format::portable_binary: return ".pbin";
+    case checkpoint_format::json: return ".json";
+    case checkpoint_format::xml: return ".xml";
+  }
+  return "";
+}
+
+std::string replace_first(std::string text, const std::string& from, const std::string& to) {
+  const std::size_t at = text.find(from);
+  REQUIRE(at != std::string::npos);
+  return text.replace(at, from.size(), to);
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+struct scratch_dir {
+  fs::path path = fs::temp_directory_path() / ("gradaccum_reliability_" + std::to_string(::getpid()));
+  scratch_dir() { fs::create_directories(path); }
+  ~scratch_dir() { fs::remove_all(path); }
+};
+
+errc code_of_parse(const std::string& bytes, checkpoint_format format) {
+  try {
+    (void)parse_checkpoint<weighted_gradients_record>(bytes, format);
+  } catch (const error& e) {
+    return e.code();
+  }
+  FAIL("the bytes loaded");
+  return errc::invalid_record;
+}
+
+}  // namespace
+
+TEST_CASE("checkpoints of format 2, which carry no checksum, still load") {
+  for (const checkpoint_format format : all_formats) {
+    CAPTURE(format);
+    const fs::path path = fs::path(GRADACCUM_TEST_FIXTURES) / ("window_v2" + extension_of(format));
+    CHECK(load_checkpoint<weighted_gradients_record>(path) == fixture_window());
+    const auto params = [] {
+      parameter_set<eigen_backend> p;
+      p.add("encoder.weight", tensor_shape{2, 3}, {});
+      p.add("decoder.bias", tensor_shape{1, 3}, {});
+      return p;
+    }();
+    weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f64, 1.0);
+    load_checkpoint(path, params, acc);
+    CHECK(acc.try_to_record() == fixture_window());
+  }
+}
+
+TEST_CASE("a changed bit anywhere in a checkpoint is refused, or leaves its content as it was") {
+  for (const checkpoint_format format : all_formats) {
+    CAPTURE(format);
+    const std::string bytes = serialize_checkpoint(fixture_window(), format);
+    for (std::size_t byte = 0; byte < bytes.size(); ++byte) {
+      for (int bit = 0; bit < 8; ++bit) {
+        std::string flipped = bytes;
+        flipped[byte] = static_cast<char>(flipped[byte] ^ (1 << bit));
+        try {
+          const auto loaded = parse_checkpoint<weighted_gradients_record>(flipped, format);
+          // Only text can change without changing content (a tab for a carriage return).
+          CHECK_MESSAGE(detail::is_text_format(format), "byte " << byte << " bit " << bit << " loaded");
+          CHECK_MESSAGE(loaded == fixture_window(), "byte " << byte << " bit " << bit << " changed the content");
+        } catch (const error& e) {
+          // The state's own fields are reported as invalid_state when they no longer parse.
+          CHECK((e.code() == errc::invalid_record || e.code() == errc::invalid_state));
+        }
+      }
+    }
+  }
+  // A value's bit: loaded silently before checksums.
+  std::string binary = serialize_checkpoint(fixture_window(), checkpoint_format::binary);
+  const float five_and_a_half = 5.5F;
+  const std::size_t at = binary.find(std::string(reinterpret_cast<const char*>(&five_and_a_half), sizeof(float)));
+  REQUIRE(at != std::string::npos);
+  binary[at] = static_cast<char>(binary[at] ^ 1);
+  CHECK(code_of_parse(binary, checkpoint_format::binary) == errc::invalid_record);
+  const std::string json = replace_first(serialize_checkpoint(fixture_window(), checkpoint_format::json), "5.5", "5.4");
+  CHECK(code_of_parse(json, checkpoint_format::json) == errc::invalid_record);
+}
+
+TEST_CASE("ids with a NUL byte: binary archives keep them, text archives refuse them") {
+  weighted_gradients_record record = fixture_window();
+  record.gradients.tensors[0].id = std::string("decoder.bias\0x", 14);
+  for (const checkpoint_format format : all_formats) {
+    CAPTURE(format);
+    if (detail::is_text_format(format)) {
+      CHECK_THROWS_AS((void)serialize_checkpoint(record, format), error);
+    } else {
+      CHECK(parse_checkpoint<weighted_gradients_record>(serialize_checkpoint(record, format), format) == record);
+    }
+  }
+  // Documents of format 2 (no checksum) that hold one: the JSON reader keeps every byte, the
+  // XML check refuses the NUL rapidxml would cut the string at.
+  const std::string v2_json = read_text(fs::path(GRADACCUM_TEST_FIXTURES) / "window_v2.json");
+  const auto loaded = parse_checkpoint<weighted_gradients_record>(
+      replace_first(v2_json, "\"decoder.bias\"", "\"decoder.bias\\u0000x\""), checkpoint_format::json);
+  CHECK(loaded.gradients.tensors[0].id == std::string("decoder.bias\0x", 14));
+  const std::string v2_xml = read_text(fs::path(GRADACCUM_TEST_FIXTURES) / "window_v2.xml");
+  CHECK(code_of_parse(replace_first(v2_xml, ">decoder.bias<", ">decoder.bias&#0;x<"), checkpoint_format::xml) ==
+        errc::invalid_record);
+}
+
+TEST_CASE("XML state fields parse strictly") {
+  const std::string v2_xml = read_text(fs::path(GRADACCUM_TEST_FIXTURES) / "window_v2.xml");
+  for (const char* bad : {"2abc", "0x10", "+2", "2 3"}) {
+    CAPTURE(bad);
+    CHECK(code_of_parse(replace_first(v2_xml, ">320.5<", std::string(">") + bad + "<"), checkpoint_format::xml) ==
+          errc::invalid_state);
+  }
+}
+
+TEST_CASE("zero-element tensors save and load in every format") {
+  const gradients_params_record record{{{"empty", float_dtype::f32, {0, 3}, std::vector<float>{}},
+                                        {"half", float_dtype::f16, {2, 0}, std::vector<std::uint16_t>{}}}};
+  for (const checkpoint_format format : all_formats) {
+    CAPTURE(format);
+    CHECK(parse_checkpoint<gradients_params_record>(serialize_checkpoint(record, format), format) == record);
+  }
+}
+
+TEST_CASE("ids longer than max_id_length are refused on save and on load, before any allocation") {
+  gradients_params_record record{{{std::string(max_id_length + 1, 'a'), float_dtype::f32, {1, 1}, std::vector{1.0F}}}};
+  CHECK_THROWS_AS((void)serialize_checkpoint(record, checkpoint_format::binary), error);
+  record.tensors[0].id = "a";
+  std::string bytes = serialize_checkpoint(record, checkpoint_format::binary);
+  // The id length follows the gradients version, the tensor count and the tensor version:
+  // declare 64 GiB, in a sparse file that claims as much.
+  const std::uint64_t huge = std::uint64_t{64} << 30;
+  std::memcpy(bytes.data() + 16, &huge, sizeof huge);
+  const scratch_dir dir;
+  const fs::path path = dir.path / "sparse.bin";
+  {
+    std::ofstream out(path, std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  fs::resize_file(path, huge + 4096);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)load_checkpoint<gradients_params_record>(path);
+    FAIL("a 64 GiB id loaded");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::invalid_record);
+    CHECK(std::string(e.what()).find("allowed") != std::string::npos);
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(1));
+}
+
+TEST_CASE("files that are not regular are refused without blocking") {
+  const scratch_dir dir;
+  const fs::path fifo = dir.path / "pipe.bin";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  auto loading = std::async(std::launch::async, [&] {
+    try {
+      (void)load_checkpoint<weighted_gradients_record>(fifo);
+    } catch (const fs::filesystem_error&) {
+      return true;
+    }
+    return false;
+  });
+  REQUIRE(loading.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  CHECK(loading.get());
+  CHECK_THROWS_AS((void)load_checkpoint<weighted_gradients_record>("/dev/null", checkpoint_format::binary),
+                  fs::filesystem_error);
+}
+
+TEST_CASE("names up to NAME_MAX save, and temporary files are gone after a save") {
+  const scratch_dir dir;
+  for (const std::size_t length : {250, 255}) {
+    const fs::path path = dir.path / (std::string(length - 4, 'n') + ".bin");
+    save_checkpoint(path, fixture_window());
+    CHECK(load_checkpoint<weighted_gradients_record>(path) == fixture_window());
+  }
+  std::size_t files = 0;
+  for (const auto& entry : fs::directory_iterator(dir.path)) files += entry.is_regular_file() ? 1 : 0;
+  CHECK(files == 2);
+}
+
+TEST_CASE("Eigen parameters of any rank restore into their own segment, finish and save again") {
+  // A declared rank-3 shape once had 6 values written into a 1 x 2 matrix, and ranks 0 and 1
+  // loaded, then failed at finish_mean: the window's segment has the declared shape's elements.
+  for (const tensor_shape& shape : {tensor_shape{1, 2, 3}, tensor_shape{2, 2, 3}, tensor_shape{}, tensor_shape{4}}) {
+    CAPTURE(shape.to_string());
+    const std::size_t n = *shape.checked_element_count();
+    std::vector<float> values(n);
+    for (std::size_t i = 0; i < n; ++i) values[i] = static_cast<float>(i + 1);
+    weighted_gradients_record saved;
+    saved.state = {float_dtype::f32, 1.0, 2.0, 1};
+    saved.gradients.tensors.push_back(
+        {"w", float_dtype::f32, std::vector<std::uint64_t>(shape.begin(), shape.end()), values});
+    parameter_set<eigen_backend> params;
+    params.add("w", shape, {});
+    weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f32, 1.0);
+    acc.load_record(params, parse_checkpoint<weighted_gradients_record>(
+                                serialize_checkpoint(saved, checkpoint_format::binary), checkpoint_format::binary));
+    CHECK(acc.try_to_record() == saved);
+    weighted_gradients_accumulator<eigen_backend> again(float_dtype::f32, 1.0);
+    again.load_record(params, acc.try_to_record());
+    const auto finished = again.finish_mean(params);
+    const std::span<const float> mean = finished.gradients.values<float>("w");
+    REQUIRE(mean.size() == n);
+    for (std::size_t i = 0; i < n; ++i) CHECK(mean[i] == values[i] / 2.0F);
+  }
+}
