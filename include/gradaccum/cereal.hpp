@@ -516,14 +516,29 @@ class hash_scope {
   content_hash* previous_;
 };
 
-/// What a tensor contributes to its record's checksum before its values.
+/// What a tensor contributes to its record's checksum before its values: its id, dtype name,
+/// rank, dimensions and value count (see `content_hash::add`), given to the hash as one piece
+/// (the same stream, so the same digest, as adding them one by one; a tenth of the cost for the
+/// many small tensors of a window).
 inline void hash_tensor_header(content_hash& hash, std::string_view id, float_dtype dtype,
                                std::span<const std::uint64_t> shape, std::uint64_t count) noexcept {
-  hash.add(id);
-  hash.add(to_string(dtype));
-  hash.add(static_cast<std::uint64_t>(shape.size()));
-  for (const std::uint64_t dim : shape) hash.add(dim);
-  hash.add(count);
+  constexpr std::size_t inline_id = 256;
+  if (id.size() > inline_id) {
+    hash.add(id);
+    hash.add(to_string(dtype));
+    hash.add(static_cast<std::uint64_t>(shape.size()));
+    for (const std::uint64_t dim : shape) hash.add(dim);
+    hash.add(count);
+    return;
+  }
+  std::array<unsigned char, 8 + inline_id + 8 + max_dtype_name_length + 8 + 8 * max_rank + 8> bytes{};
+  little_endian_writer out(bytes.data());
+  out.text(id);
+  out.text(to_string(dtype));
+  out.u64(shape.size());
+  for (const std::uint64_t dim : shape) out.u64(dim);
+  out.u64(count);
+  hash.add_bytes(bytes.data(), out.written(bytes.data()));
 }
 
 inline std::uint64_t state_checksum(const weighted_accumulation_state& state) noexcept {
@@ -542,6 +557,131 @@ void check_checksum(Archive& ar, const load_site& site, std::uint64_t computed);
 /// Values go through the hash and the archive in blocks of this many bytes, so a block is
 /// still in cache when the second pass reads it.
 inline constexpr std::size_t hashed_block_bytes = std::size_t{1} << 18;
+
+// ---- The directory of a binary gradients record ------------------------------------------------
+//
+// From format 3, binary archives write a gradients record as its tensor count, one directory
+// block and the values of every tensor in record order, back to back, as raw blocks (adjacent
+// tensors in one block): a window saves and loads as a few large copies, not a few small ones
+// per tensor. Per tensor the directory holds, little-endian: id length (4 bytes), id, dtype
+// (1 byte: 0 F16, 1 BF16, 2 F32, 3 F64), rank (1 byte), dimensions (8 bytes each).
+
+/// Fewest bytes a tensor takes in a directory: an empty id, a dtype and rank 0.
+inline constexpr std::uint64_t min_directory_entry_bytes = 4 + 1 + 1;
+
+constexpr std::uint8_t dtype_code(float_dtype dtype) noexcept {
+  switch (dtype) {
+    case float_dtype::f16: return 0;
+    case float_dtype::bf16: return 1;
+    case float_dtype::f32: return 2;
+    case float_dtype::f64: break;
+  }
+  return 3;
+}
+
+constexpr std::optional<float_dtype> dtype_of_code(std::uint8_t code) noexcept {
+  constexpr std::array<float_dtype, 4> dtypes{float_dtype::f16, float_dtype::bf16, float_dtype::f32, float_dtype::f64};
+  if (code >= dtypes.size()) return std::nullopt;
+  return dtypes[code];
+}
+
+/// The directory of `tensors` (records or views; their ids already checked).
+template <class Tensors>
+std::string binary_directory(const Tensors& tensors) {
+  std::size_t bytes = 0;
+  for (const auto& tensor : tensors) bytes += min_directory_entry_bytes + tensor.id.size() + 8 * tensor.shape.size();
+  std::string directory(bytes, '\0');
+  auto* const start = reinterpret_cast<unsigned char*>(directory.data());
+  little_endian_writer out(start);
+  for (const auto& tensor : tensors) {
+    out.u32(static_cast<std::uint32_t>(tensor.id.size()));
+    out.bytes(tensor.id);
+    out.u8(dtype_code(tensor.dtype));
+    out.u8(static_cast<std::uint8_t>(tensor.shape.size()));
+    for (const std::uint64_t dim : tensor.shape) out.u64(dim);
+  }
+  return directory;
+}
+
+/// Reads a directory entry by entry; every read is checked against the bytes left.
+class directory_reader {
+ public:
+  directory_reader(std::string_view directory, const load_site& site) noexcept : rest_(directory), site_(site) {}
+
+  [[nodiscard]] bool at_end() const noexcept { return rest_.empty(); }
+
+  std::string_view id() {
+    const std::uint32_t length = little_endian<std::uint32_t>();
+    if (length > max_id_length) {
+      site_.fail("has a tensor id of " + std::to_string(length) + " bytes, more than the " +
+                 std::to_string(max_id_length) + " allowed.");
+    }
+    return take(length);
+  }
+  float_dtype dtype() {
+    const std::uint8_t code = little_endian<std::uint8_t>();
+    const std::optional<float_dtype> dtype = dtype_of_code(code);
+    if (!dtype) site_.fail("has unknown dtype code " + std::to_string(code) + "; codes are 0 to 3.");
+    return *dtype;
+  }
+  template <class U>
+  U little_endian() {
+    const std::string_view bytes = take(sizeof(U));
+    std::uint64_t value = 0;
+    for (std::size_t i = 0; i < sizeof(U); ++i) {
+      value |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+    }
+    return static_cast<U>(value);
+  }
+
+ private:
+  std::string_view take(std::size_t count) {
+    if (count > rest_.size())
+      site_.fail("has a directory that ends inside a tensor's entry: it is truncated or corrupt.");
+    const std::string_view taken = rest_.substr(0, count);
+    rest_.remove_prefix(count);
+    return taken;
+  }
+
+  std::string_view rest_;
+  const load_site& site_;
+};
+
+/// Writes pieces of values as raw blocks, joining pieces that follow each other in memory (as
+/// the segments of a window's buffer do) into one block of at most `hashed_block_bytes`.
+template <class Archive>
+class values_writer {
+ public:
+  explicit values_writer(Archive& ar) noexcept : ar_(ar) {}
+  values_writer(const values_writer&) = delete;
+  values_writer& operator=(const values_writer&) = delete;
+  ~values_writer() = default;
+
+  template <class S>
+  void add(std::span<const S> piece) {
+    auto* open = std::get_if<std::span<const S>>(&pending_);
+    if (open != nullptr && open->data() + open->size() == piece.data()) {
+      *open = std::span<const S>(open->data(), open->size() + piece.size());
+    } else {
+      flush();
+      pending_ = piece;
+    }
+    if (std::visit([](auto values) { return values.size_bytes(); }, pending_) >= hashed_block_bytes) flush();
+  }
+
+  void flush() {
+    std::visit(
+        [&](auto values) {
+          if (!values.empty()) ar_(cereal::binary_data(values.data(), values.size_bytes()));
+        },
+        pending_);
+    pending_ = std::span<const float>();
+  }
+
+ private:
+  Archive& ar_;
+  values_view pending_;
+};
 
 // ---- Saving ------------------------------------------------------------------------------------
 
@@ -599,21 +739,42 @@ inline const tensor_view& view_of(const tensor_view& tensor) noexcept {
   return tensor;
 }
 
-/// `tensors` (records or views) as the list of a gradients record. A binary archive holds the
-/// tensor type's version before the first tensor only, and cereal finds that out under a mutex,
-/// with allocations, for every object it is given: the other tensors are written directly
-/// (the same bytes), as `load` reads them.
+template <class Archive, class Tensors>
+void save_binary_tensors(Archive& ar, const Tensors& tensors) {
+  for (const auto& tensor : tensors) check_saved_id<Archive>(tensor.id);
+  const std::string directory = binary_directory(tensors);
+  ar(cereal::make_size_tag(static_cast<cereal::size_type>(directory.size())));
+  if (!directory.empty()) ar(cereal::binary_data(directory.data(), directory.size()));
+  content_hash* const hash = active_hash;
+  values_writer<Archive> values_out(ar);
+  for (const auto& record_or_view : tensors) {
+    const tensor_view& tensor = view_of(record_or_view);
+    std::visit(
+        [&](const auto values) {
+          using S = typename decltype(values)::element_type;
+          if (hash != nullptr) hash_tensor_header(*hash, tensor.id, tensor.dtype, tensor.shape, values.size());
+          constexpr std::size_t block = hashed_block_bytes / sizeof(S);
+          for (std::size_t done = 0; done < values.size(); done += block) {
+            const std::span<const S> piece = values.subspan(done, std::min(block, values.size() - done));
+            if (hash != nullptr) hash->add_values(piece);
+            values_out.add(piece);
+          }
+        },
+        tensor.values);
+  }
+  values_out.flush();
+}
+
+/// `tensors` (records or views) as the list of a gradients record: in a text archive each tensor
+/// through cereal, in a binary archive the count, the directory and the values (see above).
 template <class Archive, class Tensors>
 void save_tensors(Archive& ar, const Tensors& tensors) {
   ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
                         node(cereal::make_size_tag(static_cast<cereal::size_type>(tensors.size())));
-                        bool first = true;
-                        for (const auto& tensor : tensors) {
-                          if (is_text_archive<Archive> || std::exchange(first, false)) {
-                            node(tensor);
-                          } else {
-                            save_tensor(node, view_of(tensor));
-                          }
+                        if constexpr (is_text_archive<Archive>) {
+                          for (const auto& tensor : tensors) node(tensor);
+                        } else {
+                          save_binary_tensors(node, tensors);
                         }
                       }}));
 }
@@ -757,6 +918,43 @@ void load_tensor(Archive& ar, Sink& sink) {
   });
 }
 
+/// Reads the directory and values of a binary gradients record of format 3 (see above) into
+/// `sink`. The directory is read only if the input holds it, and no tensor is handed on before
+/// its entry has been checked.
+template <class Archive, class Sink>
+void load_binary_tensors(Archive& ar, Sink& sink, std::uint64_t count, const load_site& site) {
+  content_hash* const hash = active_hash;
+  cereal::size_type directory_bytes = 0;
+  ar(cereal::make_size_tag(directory_bytes));
+  std::string directory;
+  load_raw(ar, directory, directory_bytes, site, "directory");
+  if (count > directory.size() / min_directory_entry_bytes) {
+    site.fail("declares " + std::to_string(count) + " tensors, more than its directory of " +
+              std::to_string(directory.size()) + " bytes holds.");
+  }
+  sink.reserve(static_cast<std::size_t>(count));
+  directory_reader entries(directory, site);
+  for (std::uint64_t i = 0; i < count; ++i) {
+    std::string id(entries.id());
+    const load_site tensor_site{errc::invalid_record, "record tensor", &id};
+    const float_dtype dtype = entries.dtype();
+    const auto rank = entries.little_endian<std::uint8_t>();
+    if (rank > max_rank) {
+      tensor_site.fail("has rank " + std::to_string(rank) + ", more than the supported " + std::to_string(max_rank) +
+                       ".");
+    }
+    std::array<std::uint64_t, max_rank> dims{};
+    for (std::size_t axis = 0; axis < rank; ++axis) dims[axis] = entries.little_endian<std::uint64_t>();
+    const tensor_shape shape(std::span<const std::uint64_t>(dims.data(), rank));
+    const std::optional<std::size_t> elements = shape.checked_element_count();
+    if (!elements) tensor_site.fail("has shape " + shape.to_string() + ", whose element count overflows.");
+    if (hash != nullptr) hash_tensor_header(*hash, id, dtype, std::span(dims.data(), rank), *elements);
+    visit_stored_type(dtype, [&]<class S>() { check_block_fits<S>(ar, *elements, tensor_site, "values"); });
+    sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, *elements, tensor_site, {}, hash));
+  }
+  if (!entries.at_end()) site.fail("has a directory with bytes after its last tensor: it is corrupt.");
+}
+
 /// @brief A sink that fills a record.
 struct record_sink {
   weighted_gradients_record record;
@@ -818,6 +1016,12 @@ void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) 
     ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
                           cereal::size_type count = 0;
                           node(cereal::make_size_tag(count));
+                          if constexpr (!is_text_archive<Archive>) {
+                            if (version >= 3) {
+                              load_binary_tensors(node, *into.sink, count, site);
+                              return;
+                            }
+                          }
                           // A text archive's count is the length of an array it has parsed; a binary archive's
                           // may be forged, so there the sink reserves only what the remaining input can hold.
                           if constexpr (is_text_archive<Archive>) {

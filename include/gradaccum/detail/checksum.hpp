@@ -1,7 +1,8 @@
 #pragma once
 /// @file
 /// @brief The checksum of a record's content: XXH3-64 (xxHash, header-only) over a canonical
-/// byte stream, the same whatever archive the record is written with.
+/// byte stream, the same whatever archive the record is written with; and the little-endian
+/// writer that builds such bytes.
 
 #include <algorithm>
 #include <array>
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string_view>
@@ -18,6 +20,36 @@
 #include <xxhash.h>
 
 namespace gradaccum::detail {
+
+/// @brief Writes integers little-endian and bytes into a buffer the caller sized.
+class little_endian_writer {
+ public:
+  explicit little_endian_writer(unsigned char* at) noexcept : at_(at) {}
+
+  void u8(std::uint8_t value) noexcept { *at_++ = value; }
+  void u32(std::uint32_t value) noexcept { put(value, 4); }
+  void u64(std::uint64_t value) noexcept { put(value, 8); }
+  void bytes(std::string_view text) noexcept {
+    if (!text.empty()) std::memcpy(at_, text.data(), text.size());
+    at_ += text.size();
+  }
+  /// Its length (8 bytes), then its bytes: text as `content_hash::add` hashes it.
+  void text(std::string_view text) noexcept {
+    u64(text.size());
+    bytes(text);
+  }
+  /// Bytes written since `start`, where this writer began.
+  [[nodiscard]] std::size_t written(const unsigned char* start) const noexcept {
+    return static_cast<std::size_t>(at_ - start);
+  }
+
+ private:
+  void put(std::uint64_t value, std::size_t size) noexcept {
+    for (std::size_t i = 0; i < size; ++i) *at_++ = static_cast<unsigned char>(value >> (8 * i));
+  }
+
+  unsigned char* at_;
+};
 
 /// @brief A running XXH3-64 over what `add` is given: integers and values as their
 /// little-endian bytes, text as its length and bytes.
