@@ -4,6 +4,7 @@
 /// without blocking, long names save, length fields cannot make a load allocate, and XML
 /// numbers parse strictly.
 
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -11,7 +12,9 @@
 #include <fstream>
 #include <future>
 #include <iterator>
+#include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -250,5 +253,44 @@ TEST_CASE("Eigen parameters of any rank restore into their own segment, finish a
     const std::span<const float> mean = finished.gradients.values<float>("w");
     REQUIRE(mean.size() == n);
     for (std::size_t i = 0; i < n; ++i) CHECK(mean[i] == values[i] / 2.0F);
+  }
+}
+
+TEST_CASE("a binary checkpoint holds a window's values as one block, straight from its buffer") {
+  // Parameters in id order with sizes that need no padding: the window's buffer is exactly the
+  // values in record order, so the file must contain it as one run of bytes.
+  parameter_set<eigen_backend> params;
+  gradients_params<eigen_backend> grads(params);
+  std::vector<Eigen::MatrixXf> values;
+  for (int i = 0; i < 40; ++i) {
+    const std::string id = "layer" + std::to_string(100 + i);
+    params.add(id, tensor_shape{4, 4}, {});
+    values.emplace_back(Eigen::MatrixXf::Constant(4, 4, 0.5F + static_cast<float>(i)));
+  }
+  for (int i = 0; i < 40; ++i) grads.insert("layer" + std::to_string(100 + i), values[static_cast<std::size_t>(i)]);
+  weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f32, 1.0);
+  acc.accumulate_sum(params, grads, 2);
+  const scratch_dir dir;
+  for (const checkpoint_format format : {checkpoint_format::binary, checkpoint_format::portable_binary}) {
+    CAPTURE(format);
+    const fs::path path = dir.path / "window.ckpt";
+    save_checkpoint(path, acc, format);
+    const weighted_gradients_record saved = acc.try_to_record();
+    std::ifstream in(path, std::ios::binary);
+    const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    const auto sums = acc.finish_sums();
+    const std::span<const float> flat = sums.gradients.template flat<float>();
+    REQUIRE(flat.size() == 40 * 16);
+    const std::string_view block(reinterpret_cast<const char*>(flat.data()), flat.size_bytes());
+    if constexpr (std::endian::native == std::endian::little) CHECK(bytes.find(block) != std::string::npos);
+    // The directory: per tensor 4 + 8 id bytes + dtype + rank + 2 dimensions of 8 bytes.
+    const std::size_t directory = 40 * (4 + 8 + 1 + 1 + 16);
+    CHECK(bytes.find(std::string_view("\x08\x00\x00\x00layer100\x02\x02", 14)) != std::string::npos);
+    weighted_gradients_accumulator<eigen_backend> restored(float_dtype::f64, 4.0);
+    load_checkpoint(path, params, restored, format);
+    CHECK(restored.try_to_record() == saved);
+    CHECK(bytes.size() > directory + block.size());
+    CHECK(bytes.size() < directory + block.size() + 128);  // the state, counts and checksums
+    acc.load_record(params, saved);                        // finish_sums took the window
   }
 }

@@ -26,12 +26,15 @@
 /// - Ids are at most `max_id_length` bytes. Text archives cannot hold an id with a NUL byte
 ///   (cereal's JSON and XML archives cut strings there): saving one to them throws.
 /// - Dtypes are written as their text names ("F32"); 16-bit values as their bit patterns.
-/// - Binary archives write each string and each list as a size followed by one raw block
-///   (`cereal::binary_data`), never element by element. Text archives write shapes as arrays of
-///   numbers and values as one string of numbers separated by spaces, each the shortest text
-///   that reads back to the same value (`std::to_chars`, about 10 bytes per F32): exact for
-///   every finite value, ±inf and NaN; a NaN keeps its sign, and its payload survives binary
-///   archives only.
+/// - Binary archives write a gradients record as its tensor count, one directory block (per
+///   tensor its id, dtype code and shape; see "The directory of a binary gradients record"
+///   below) and every tensor's values in record order, back to back, in raw blocks
+///   (`cereal::binary_data`); version 2 wrote each tensor as a `tensor_record`. Strings and
+///   lists elsewhere are a size followed by one raw block, never element by element.
+/// - Text archives write shapes as arrays of numbers and values as one string of numbers
+///   separated by spaces, each the shortest text that reads back to the same value
+///   (`std::to_chars`, about 10 bytes per F32): exact for every finite value, ±inf and NaN; a
+///   NaN keeps its sign, and its payload survives binary archives only.
 ///
 /// Loading treats the bytes as untrusted. Every problem found by these functions throws
 /// `gradaccum::error` naming it: `errc::invalid_state` for the accumulation state's fields and
@@ -93,7 +96,8 @@ namespace gradaccum {
 
 /// @brief Version of the record format: the cereal class version of every record type. Loading
 /// reads this version and version 2 (which has no checksums). Version 3 adds `checksum` to
-/// states and gradients records; version 2 writes text archives' values as one string of
+/// states and gradients records and writes binary gradients records as one directory and their
+/// values back to back; version 2 writes text archives' values as one string of
 /// shortest round-trip numbers (version 1, not read, wrote arrays of doubles).
 inline constexpr std::uint32_t record_format_version = 3;
 
