@@ -535,7 +535,8 @@ inline void hash_tensor_header(content_hash& hash, std::string_view id, float_dt
     hash.add(count);
     return;
   }
-  std::array<unsigned char, 8 + inline_id + 8 + max_dtype_name_length + 8 + 8 * max_rank + 8> bytes{};
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): written before it is read
+  std::array<unsigned char, 8 + inline_id + 8 + max_dtype_name_length + 8 + 8 * max_rank + 8> bytes;
   little_endian_writer out(bytes.data());
   out.text(id);
   out.text(to_string(dtype));
@@ -938,8 +939,9 @@ void load_binary_tensors(Archive& ar, Sink& sink, std::uint64_t count, const loa
   }
   sink.reserve(static_cast<std::size_t>(count));
   directory_reader entries(directory, site);
+  std::string id;  // reused: a sink that keeps ids moves from it, others leave its buffer
   for (std::uint64_t i = 0; i < count; ++i) {
-    std::string id(entries.id());
+    id.assign(entries.id());
     const load_site tensor_site{errc::invalid_record, "record tensor", &id};
     const float_dtype dtype = entries.dtype();
     const auto rank = entries.little_endian<std::uint8_t>();

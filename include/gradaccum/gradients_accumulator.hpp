@@ -73,11 +73,7 @@ class gradients_accumulator {
 
   /// @brief Takes the pending sums and resets the accumulator.
   [[nodiscard]] flat_gradients<B> grads() noexcept {
-    if (pending_.storage_) {
-      // Remember it: once the caller drops the result, a later window writes into it again.
-      recycled_[1] = std::move(recycled_[0]);
-      recycled_[0] = {pending_.layout_, pending_.storage_};
-    }
+    remember(pending_);  // once the caller drops the result, a later window writes into it again
     return std::exchange(pending_, flat_gradients<B>{});
   }
 
@@ -156,7 +152,8 @@ class gradients_accumulator {
                      id);
       }
       require_pending_dtype(id, dtype);
-      const auto position = params_->find(id);
+      if (!layout_) layout_ = target_->layout_for(*params_);
+      const auto position = position_of(id);
       if (!position) {
         detail::fail(errc::unknown_parameters, "record tensor '" + id + "' names no parameter of the parameter set.",
                      id);
@@ -173,7 +170,7 @@ class gradients_accumulator {
                          std::string(to_string(storage_->dtype)) + " came before it; a window has one work dtype.",
                      id);
       }
-      if (!layout_) layout_ = target_->layout_for(*params_);
+      if (!storage_) storage_ = target_->recycle(layout_, dtype);
       if (!storage_) storage_ = detail::flat_storage::allocate(dtype, layout_->elements(), layout_->size());
       if (storage_->present[*position] != 0) {
         detail::fail(errc::invalid_record, "record lists tensor '" + id + "' twice.", id);
@@ -195,14 +192,26 @@ class gradients_accumulator {
 
     void commit() && noexcept {
       if (layout_) target_->layout_ = layout_;
+      target_->remember(target_->pending_);  // the buffer replaced serves a later load or window
       // The layout is chosen before the storage is moved: argument evaluation order is unspecified.
       std::shared_ptr<const flat_layout<B>> layout = storage_ ? layout_ : nullptr;
       target_->pending_ = flat_gradients<B>(std::move(layout), std::move(storage_));
     }
 
    private:
+    /// The parameter `id` names. Records list tensors sorted by id, the layout's `by_id()`
+    /// order, so the walk along it finds each with a comparison or two; ids out of that order
+    /// are looked up.
+    std::optional<std::size_t> position_of(std::string_view id) noexcept {
+      const std::span<const std::size_t> order = layout_->by_id();
+      while (next_ < order.size() && (*layout_)[order[next_]].id < id) ++next_;
+      if (next_ < order.size() && (*layout_)[order[next_]].id == id) return order[next_++];
+      return params_->find(id);
+    }
+
     gradients_accumulator* target_;
     const parameter_set<B>* params_;
+    std::size_t next_ = 0;  // where `position_of` walks `by_id()` from
     std::optional<float_dtype> expected_;
     std::shared_ptr<const flat_layout<B>> layout_;
     std::shared_ptr<detail::flat_storage> storage_;
@@ -327,7 +336,15 @@ class gradients_accumulator {
     return fresh;
   }
 
-  /// A buffer handed out by `grads()` that nobody else holds any more, cleared; else null.
+  /// Keeps `buffer`'s storage among the two `recycle` may hand out again.
+  void remember(const flat_gradients<B>& buffer) noexcept {
+    if (!buffer.storage_) return;
+    recycled_[1] = std::move(recycled_[0]);
+    recycled_[0] = {buffer.layout_, buffer.storage_};
+  }
+
+  /// A buffer handed out by `grads()` or replaced by a load that nobody else holds any more,
+  /// cleared; else null.
   std::shared_ptr<detail::flat_storage> recycle(const std::shared_ptr<const flat_layout<B>>& layout,
                                                 float_dtype dtype) noexcept {
     for (auto& [laid_out_with, storage] : recycled_) {

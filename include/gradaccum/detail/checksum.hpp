@@ -45,7 +45,12 @@ class little_endian_writer {
 
  private:
   void put(std::uint64_t value, std::size_t size) noexcept {
-    for (std::size_t i = 0; i < size; ++i) *at_++ = static_cast<unsigned char>(value >> (8 * i));
+    if constexpr (std::endian::native == std::endian::little) {
+      std::memcpy(at_, &value, size);
+      at_ += size;
+    } else {
+      for (std::size_t i = 0; i < size; ++i) *at_++ = static_cast<unsigned char>(value >> (8 * i));
+    }
   }
 
   unsigned char* at_;
