@@ -104,6 +104,34 @@ inline constexpr std::uint32_t record_format_version = 3;
 /// @brief Oldest record format version that loads.
 inline constexpr std::uint32_t oldest_record_format_version = 2;
 
+// ---- The records' cereal functions (found by cereal through argument-dependent lookup) ------
+
+template <class Archive>
+void save(Archive& ar, const tensor_record& tensor, std::uint32_t version);
+template <class Archive>
+void load(Archive& ar, tensor_record& tensor, std::uint32_t version);
+
+/// @throws error(errc::invalid_record) for a record that would not load back (see `validate`).
+template <class Archive>
+void save(Archive& ar, const gradients_params_record& record, std::uint32_t version);
+template <class Archive>
+void load(Archive& ar, gradients_params_record& record, std::uint32_t version);
+
+/// @throws error(errc::invalid_state) for a state that would not load back (see `validate`).
+template <class Archive>
+void save(Archive& ar, const weighted_accumulation_state& state, std::uint32_t version);
+template <class Archive>
+void load(Archive& ar, weighted_accumulation_state& state, std::uint32_t version);
+
+/// @throws error(errc::invalid_state) or error(errc::invalid_record) for a record that would not
+/// load back (see `validate`).
+template <class Archive>
+void save(Archive& ar, const weighted_gradients_record& record, std::uint32_t version);
+template <class Archive>
+void load(Archive& ar, weighted_gradients_record& record, std::uint32_t version);
+
+// ---- Implementation ------------------------------------------------------------------------------
+
 namespace detail {
 
 // ---- Inputs that know how many bytes they still hold ------------------------------------------
@@ -1074,9 +1102,19 @@ void load_gradients_field(Archive& ar, Sink& sink) {
   ar(cereal::make_nvp("gradients", gradients));
 }
 
-}  // namespace detail
+template <class Archive>
+void load_listed_tensor(Archive& ar, record_sink& sink) {
+  tensor_record tensor;
+  ar(tensor);
+  sink.record.gradients.tensors.push_back(std::move(tensor));
+}
 
-// ---- Records -----------------------------------------------------------------------------------
+template <class Archive>
+void load_gradients_field(Archive& ar, record_sink& sink) {
+  ar(cereal::make_nvp("gradients", sink.record.gradients));
+}
+
+}  // namespace detail
 
 template <class Archive>
 void save(Archive& ar, const tensor_record& tensor, const std::uint32_t /*version*/) {
@@ -1091,7 +1129,6 @@ void load(Archive& ar, tensor_record& tensor, const std::uint32_t version) {
   tensor = std::move(sink.record.gradients.tensors.front());
 }
 
-/// @throws error(errc::invalid_record) for a record that would not load back (see `validate`).
 template <class Archive>
 void save(Archive& ar, const gradients_params_record& record, const std::uint32_t /*version*/) {
   validate(record);
@@ -1107,7 +1144,6 @@ void load(Archive& ar, gradients_params_record& record, const std::uint32_t vers
   record = std::move(sink.record.gradients);
 }
 
-/// @throws error(errc::invalid_state) for a state that would not load back (see `validate`).
 template <class Archive>
 void save(Archive& ar, const weighted_accumulation_state& state, const std::uint32_t /*version*/) {
   validate(state);
@@ -1133,8 +1169,6 @@ void load(Archive& ar, weighted_accumulation_state& state, const std::uint32_t v
   state = loaded;
 }
 
-/// @throws error(errc::invalid_state) or error(errc::invalid_record) for a record that would not
-/// load back (see `validate`).
 template <class Archive>
 void save(Archive& ar, const weighted_gradients_record& record, const std::uint32_t /*version*/) {
   validate(record);
@@ -1151,22 +1185,6 @@ void load(Archive& ar, weighted_gradients_record& record, const std::uint32_t ve
 }
 
 }  // namespace gradaccum
-
-namespace gradaccum::detail {
-
-template <class Archive>
-void load_listed_tensor(Archive& ar, record_sink& sink) {
-  tensor_record tensor;
-  ar(tensor);
-  sink.record.gradients.tensors.push_back(std::move(tensor));
-}
-
-template <class Archive>
-void load_gradients_field(Archive& ar, record_sink& sink) {
-  ar(cereal::make_nvp("gradients", sink.record.gradients));
-}
-
-}  // namespace gradaccum::detail
 
 CEREAL_CLASS_VERSION(gradaccum::tensor_record, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::gradients_params_record, gradaccum::record_format_version)

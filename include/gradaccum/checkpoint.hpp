@@ -107,6 +107,76 @@ concept checkpoint_record =
     std::is_same_v<R, weighted_gradients_record> || std::is_same_v<R, gradients_params_record> ||
     std::is_same_v<R, weighted_accumulation_state>;
 
+/// @brief An accumulator a checkpoint can hold: it has `try_to_record()` (and a `restorer`).
+template <class A>
+concept checkpointable = requires(const A& accumulator) {
+  { accumulator.try_to_record() } -> checkpoint_record;
+};
+
+// ---- Memory ------------------------------------------------------------------------------------
+
+/// @brief The bytes of `record` in `format`, as `save_checkpoint` writes them.
+/// @throws error when `record` is invalid (see `validate`): it would not load back.
+template <checkpoint_record R>
+[[nodiscard]] std::string serialize_checkpoint(const R& record, checkpoint_format format);
+
+/// @brief Reads a record from untrusted bytes.
+/// @throws error(errc::invalid_record) or error(errc::invalid_state) naming the problem.
+template <checkpoint_record R>
+[[nodiscard]] R parse_checkpoint(std::string_view bytes, checkpoint_format format);
+
+/// @brief Writes `record` to `path` atomically, in `format` or the one its extension names.
+/// @throws error when `record` is invalid (the file at `path` is untouched);
+/// std::filesystem::filesystem_error when the file cannot be written.
+template <checkpoint_record R>
+void save_checkpoint(const std::filesystem::path& path, const R& record,
+                     std::optional<checkpoint_format> format = std::nullopt);
+
+/// @brief The format version of the outermost record of the checkpoint at `path`, read from its
+/// first bytes without loading it. Versions before 3 carry no checksum.
+/// @throws error(errc::invalid_record) for a file that does not start like a checkpoint;
+/// std::filesystem::filesystem_error when the file cannot be read.
+inline std::uint32_t checkpoint_version(const std::filesystem::path& path,
+                                        std::optional<checkpoint_format> format = std::nullopt);
+
+/// @brief Reads a record of type `R` from `path`.
+/// @throws error(errc::invalid_record) or error(errc::invalid_state) naming the problem and the
+/// path; std::filesystem::filesystem_error when the file cannot be read.
+template <checkpoint_record R>
+[[nodiscard]] R load_checkpoint(const std::filesystem::path& path,
+                                std::optional<checkpoint_format> format = std::nullopt);
+
+/// @brief Saves an accumulator's record (`try_to_record()`): pending values, and for a weighted
+/// accumulator the window's state. Values are written straight from the pending tensors where
+/// the backend's layout allows (`visit_record`), so nothing is copied first.
+template <checkpointable Accumulator>
+void save_checkpoint(const std::filesystem::path& path, const Accumulator& accumulator,
+                     std::optional<checkpoint_format> format = std::nullopt);
+
+/// @brief Restores an accumulator from `path` (with the checks of `load_record` against
+/// `params`), reading values straight into new backend tensors where the backend's layout
+/// allows. The accumulator is unchanged unless everything loaded and validated.
+/// @throws what `load_checkpoint<R>` and the accumulator's `load_record` throw.
+template <checkpointable Accumulator, class B>
+void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
+                     std::optional<checkpoint_format> format = std::nullopt);
+
+/// @brief Writes `record` on another thread; `get()` on the result rethrows what
+/// `save_checkpoint` threw.
+template <checkpoint_record R>
+[[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, R record,
+                                                      std::optional<checkpoint_format> format = std::nullopt);
+
+/// @brief Snapshots `accumulator` as of this call (a copy of it: one copy of the pending
+/// values on the calling thread) and writes the copy on another thread, straight from its
+/// tensors; the accumulator may be used again as soon as this returns.
+template <checkpointable Accumulator>
+  requires std::copy_constructible<Accumulator>
+[[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
+                                                      std::optional<checkpoint_format> format = std::nullopt);
+
+// ---- Implementation ------------------------------------------------------------------------------
+
 namespace detail {
 
 // ---- Formats -----------------------------------------------------------------------------------
@@ -339,12 +409,8 @@ inline std::uint32_t version_in(std::string_view head, checkpoint_format format)
 
 }  // namespace detail
 
-// ---- Memory ------------------------------------------------------------------------------------
-
-/// @brief The bytes of `record` in `format`, as `save_checkpoint` writes them.
-/// @throws error when `record` is invalid (see `validate`): it would not load back.
 template <checkpoint_record R>
-[[nodiscard]] std::string serialize_checkpoint(const R& record, checkpoint_format format) {
+std::string serialize_checkpoint(const R& record, checkpoint_format format) {
   std::string bytes;
   detail::string_sink sink(bytes);
   std::ostream out(&sink);
@@ -352,10 +418,8 @@ template <checkpoint_record R>
   return bytes;
 }
 
-/// @brief Reads a record from untrusted bytes.
-/// @throws error(errc::invalid_record) or error(errc::invalid_state) naming the problem.
 template <checkpoint_record R>
-[[nodiscard]] R parse_checkpoint(std::string_view bytes, checkpoint_format format) {
+R parse_checkpoint(std::string_view bytes, checkpoint_format format) {
   R record;
   detail::read_bytes(bytes, format, [&](detail::sized_streambuf& source, std::string_view text) {
     detail::read_into<R>(source, text, format, record);
@@ -363,23 +427,12 @@ template <checkpoint_record R>
   return record;
 }
 
-// ---- Files -------------------------------------------------------------------------------------
-
-/// @brief Writes `record` to `path` atomically, in `format` or the one its extension names.
-/// @throws error when `record` is invalid (the file at `path` is untouched);
-/// std::filesystem::filesystem_error when the file cannot be written.
 template <checkpoint_record R>
-void save_checkpoint(const std::filesystem::path& path, const R& record,
-                     std::optional<checkpoint_format> format = std::nullopt) {
+void save_checkpoint(const std::filesystem::path& path, const R& record, std::optional<checkpoint_format> format) {
   detail::save_file(path, record, format ? *format : checkpoint_format_for(path));
 }
 
-/// @brief The format version of the outermost record of the checkpoint at `path`, read from its
-/// first bytes without loading it. Versions before 3 carry no checksum.
-/// @throws error(errc::invalid_record) for a file that does not start like a checkpoint;
-/// std::filesystem::filesystem_error when the file cannot be read.
-inline std::uint32_t checkpoint_version(const std::filesystem::path& path,
-                                        std::optional<checkpoint_format> format = std::nullopt) {
+inline std::uint32_t checkpoint_version(const std::filesystem::path& path, std::optional<checkpoint_format> format) {
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
   detail::file_source source(path);
   std::string head(static_cast<std::size_t>(std::min<std::uint64_t>(source.remaining(), 4096)), '\0');
@@ -392,12 +445,8 @@ inline std::uint32_t checkpoint_version(const std::filesystem::path& path,
   }
 }
 
-/// @brief Reads a record of type `R` from `path`.
-/// @throws error(errc::invalid_record) or error(errc::invalid_state) naming the problem and the
-/// path; std::filesystem::filesystem_error when the file cannot be read.
 template <checkpoint_record R>
-[[nodiscard]] R load_checkpoint(const std::filesystem::path& path,
-                                std::optional<checkpoint_format> format = std::nullopt) {
+R load_checkpoint(const std::filesystem::path& path, std::optional<checkpoint_format> format) {
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
   R record;
   detail::read_file(path, resolved, [&](detail::sized_streambuf& source, std::string_view text) {
@@ -406,29 +455,16 @@ template <checkpoint_record R>
   return record;
 }
 
-/// @brief Saves an accumulator's record (`try_to_record()`): pending values, and for a weighted
-/// accumulator the window's state. Values are written straight from the pending tensors where
-/// the backend's layout allows (`visit_record`), so nothing is copied first.
-template <class Accumulator>
-  requires requires(const Accumulator& accumulator) {
-    { accumulator.try_to_record() } -> checkpoint_record;
-  }
+template <checkpointable Accumulator>
 void save_checkpoint(const std::filesystem::path& path, const Accumulator& accumulator,
-                     std::optional<checkpoint_format> format = std::nullopt) {
+                     std::optional<checkpoint_format> format) {
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
   accumulator.visit_record([&](const auto& view) { detail::save_file(path, view, resolved); });
 }
 
-/// @brief Restores an accumulator from `path` (with the checks of `load_record` against
-/// `params`), reading values straight into new backend tensors where the backend's layout
-/// allows. The accumulator is unchanged unless everything loaded and validated.
-/// @throws what `load_checkpoint<R>` and the accumulator's `load_record` throw.
-template <class Accumulator, class B>
-  requires requires(const Accumulator& accumulator) {
-    { accumulator.try_to_record() } -> checkpoint_record;
-  }
+template <checkpointable Accumulator, class B>
 void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
-                     std::optional<checkpoint_format> format = std::nullopt) {
+                     std::optional<checkpoint_format> format) {
   using record_type = decltype(accumulator.try_to_record());
   using restorer = typename Accumulator::restorer;
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
@@ -440,26 +476,18 @@ void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& 
   std::move(sink).commit();
 }
 
-/// @brief Writes `record` on another thread; `get()` on the result rethrows what
-/// `save_checkpoint` threw.
 template <checkpoint_record R>
-[[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, R record,
-                                                      std::optional<checkpoint_format> format = std::nullopt) {
+std::future<void> save_checkpoint_async(std::filesystem::path path, R record, std::optional<checkpoint_format> format) {
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
   return std::async(std::launch::async, [path = std::move(path), record = std::move(record), resolved] {
     save_checkpoint(path, record, resolved);
   });
 }
 
-/// @brief Snapshots `accumulator` as of this call (a copy of it: one copy of the pending
-/// values on the calling thread) and writes the copy on another thread, straight from its
-/// tensors; the accumulator may be used again as soon as this returns.
-template <class Accumulator>
-  requires std::copy_constructible<Accumulator> && requires(const Accumulator& accumulator) {
-    { accumulator.try_to_record() } -> checkpoint_record;
-  }
-[[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
-                                                      std::optional<checkpoint_format> format = std::nullopt) {
+template <checkpointable Accumulator>
+  requires std::copy_constructible<Accumulator>
+std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
+                                        std::optional<checkpoint_format> format) {
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
   return std::async(std::launch::async, [path = std::move(path), snapshot = accumulator, resolved] {
     save_checkpoint(path, snapshot, resolved);
