@@ -96,7 +96,19 @@ std::size_t largest_allocation_of(F&& call) {
 /// on this machine), to forge what a writer never would.
 class binary_bytes {
  public:
+  binary_bytes& u8(std::uint8_t value) { return raw(&value, sizeof value); }
   binary_bytes& u32(std::uint32_t value) { return raw(&value, sizeof value); }
+  /// One tensor's directory entry (format 3): id length, id, dtype code, rank, dimensions.
+  binary_bytes& entry(std::string_view id, std::uint8_t dtype_code, std::initializer_list<std::uint64_t> shape) {
+    u32(static_cast<std::uint32_t>(id.size())).raw(id.data(), id.size()).u8(dtype_code);
+    u8(static_cast<std::uint8_t>(shape.size()));
+    for (std::uint64_t dim : shape) u64(dim);
+    return *this;
+  }
+  binary_bytes& values(std::initializer_list<float> values) {
+    for (float value : values) raw(&value, sizeof value);
+    return *this;
+  }
   /// The format version, written before the first object of each record type: 2, which has no
   /// checksums, so forged content reaches the checks behind them.
   binary_bytes& version() { return u32(oldest_record_format_version); }
@@ -230,8 +242,9 @@ std::string extension_of(checkpoint_format format) {
 
 }  // namespace
 
-TEST_CASE("the binary layout is the documented one: fields in order, strings and lists as a size and raw bytes") {
-  // Format 3 ends a state and a gradients record with the checksum of their content.
+TEST_CASE("the binary layout is the documented one: fields in order, a directory, then the values back to back") {
+  // Format 3 ends a state and a gradients record with the checksum of their content, and holds
+  // a gradients record's tensors as one directory block and their values.
   detail::content_hash tensors;
   const float b[] = {0.5F, -1.0F};
   const float w[] = {1, 2, 3, 4, 5, 6};
@@ -243,8 +256,10 @@ TEST_CASE("the binary layout is the documented one: fields in order, strings and
   tensors.add_values(std::span<const float>(w));
   binary_bytes current;
   current.u32(3).u32(3).text("F32").f64(1024.0).f64(7.0).u64(2).u64(detail::state_checksum(valid_window.state));
-  current.u32(3).u64(2).u32(3).text("b").text("F32").u64(2).u64(1).u64(2).floats({0.5F, -1.0F});
-  current.text("w").text("F32").u64(2).u64(2).u64(3).floats({1, 2, 3, 4, 5, 6}).u64(tensors.digest());
+  binary_bytes directory;
+  directory.entry("b", 2, {1, 2}).entry("w", 2, {2, 3});
+  current.u32(3).u64(2).u64(directory.str().size()).raw(directory.str().data(), directory.str().size());
+  current.values({0.5F, -1.0F}).values({1, 2, 3, 4, 5, 6}).u64(tensors.digest());
   CHECK(current.str() == serialize_checkpoint(valid_window, checkpoint_format::binary));
   // Format 2 is the same without checksums, and still loads.
   GRADACCUM_CHECK_SAME_BITS(
@@ -585,4 +600,52 @@ TEST_CASE("bytes after a binary record, or a document without the record, are re
                 errc::invalid_state, "", {"'state'", "missing"});
   check_refused("[1, 2]", checkpoint_format::json, errc::invalid_record, "", {"holds no record"});
   check_refused("{\"value0\": 5}", checkpoint_format::json, errc::invalid_record, "", {"not a valid json"});
+}
+
+TEST_CASE("a binary directory that does not describe its values is refused before anything is read for it") {
+  // The directory's own checks run before the checksum is compared, so a corrupt file is
+  // refused naming what is wrong (the checksum written here is never reached).
+  const auto window_with = [](std::uint64_t count, const std::string& directory, std::initializer_list<float> values) {
+    binary_bytes bytes;
+    bytes.u32(3).u32(3).text("F32").f64(1.0).f64(1.0).u64(1).u64(
+        detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
+    bytes.u32(3).u64(count).u64(directory.size()).raw(directory.data(), directory.size()).values(values).u64(0);
+    return bytes.str();
+  };
+  const auto refused = [](const std::string& bytes, std::string_view why) {
+    CAPTURE(why);
+    try {
+      (void)parse_checkpoint<weighted_gradients_record>(bytes, checkpoint_format::binary);
+      FAIL("loaded");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::invalid_record);
+      CHECK(std::string(e.what()).find(why) != std::string::npos);
+    }
+  };
+  binary_bytes one;
+  one.entry("w", 2, {1, 2});
+  refused(window_with(4, one.str(), {1, 2}), "tensors, more than its directory");
+  refused(window_with(2, one.str(), {1, 2}), "ends inside a tensor's entry");
+  binary_bytes dtype;
+  dtype.entry("w", 7, {1, 2});
+  refused(window_with(1, dtype.str(), {1, 2}), "unknown dtype code 7");
+  binary_bytes rank;
+  rank.entry("w", 2, {1, 1, 1, 1, 1, 1, 1, 1, 1});
+  refused(window_with(1, rank.str(), {1}), "has rank 9");
+  binary_bytes cut;
+  cut.entry("w", 2, {1, 2});
+  refused(window_with(1, cut.str().substr(0, cut.str().size() - 3), {1, 2}), "ends inside a tensor's entry");
+  refused(window_with(1, one.str() + "x", {1, 2}), "bytes after its last tensor");
+  binary_bytes long_id;
+  long_id.u32(static_cast<std::uint32_t>(max_id_length + 1)).raw("0123456789", 10);
+  refused(window_with(1, long_id.str(), {}), "more than the 4096 allowed");
+  binary_bytes big;
+  big.entry("w", 2, {1u << 20, 1u << 20});
+  refused(window_with(1, big.str(), {1, 2}), "elements of 4 bytes");
+  // A directory longer than the file is refused before it is allocated.
+  binary_bytes header;
+  header.u32(3).u32(3).text("F32").f64(1.0).f64(1.0).u64(1).u64(
+      detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
+  header.u32(3).u64(1).u64(std::uint64_t{1} << 40);
+  refused(header.str(), "bytes left hold");
 }
