@@ -642,10 +642,15 @@ TEST_CASE("a binary directory that does not describe its values is refused befor
   binary_bytes big;
   big.entry("w", 2, {1u << 20, 1u << 20});
   refused(window_with(1, big.str(), {1, 2}), "elements of 4 bytes");
-  // A directory longer than the file is refused before it is allocated.
-  binary_bytes header;
-  header.u32(3).u32(3).text("F32").f64(1.0).f64(1.0).u64(1).u64(
-      detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
-  header.u32(3).u64(1).u64(std::uint64_t{1} << 40);
-  refused(header.str(), "bytes left hold");
+  // A directory longer than its tensors' entries can be, or than the file, is refused before it
+  // is allocated.
+  const auto header = [](std::uint64_t count, std::uint64_t directory_bytes) {
+    binary_bytes bytes;
+    bytes.u32(3).u32(3).text("F32").f64(1.0).f64(1.0).u64(1).u64(
+        detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
+    bytes.u32(3).u64(count).u64(directory_bytes);
+    return bytes.str();
+  };
+  refused(header(1, std::uint64_t{1} << 40), "more than the entries of its 1 tensors take");
+  refused(header(1000, 1'000'000), "bytes left hold");
 }

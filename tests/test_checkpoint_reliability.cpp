@@ -177,10 +177,11 @@ TEST_CASE("ids longer than max_id_length are refused on save and on load, before
   CHECK_THROWS_AS((void)serialize_checkpoint(record, checkpoint_format::binary), error);
   record.tensors[0].id = "a";
   std::string bytes = serialize_checkpoint(record, checkpoint_format::binary);
-  // The id length follows the gradients version, the tensor count and the tensor version:
-  // declare 64 GiB, in a sparse file that claims as much.
+  // The id length (4 bytes) follows the gradients version, the tensor count and the directory's
+  // size: declare 4 GiB, in a sparse file of 64 GiB.
   const std::uint64_t huge = std::uint64_t{64} << 30;
-  std::memcpy(bytes.data() + 16, &huge, sizeof huge);
+  const std::uint32_t id_length = 0xFFFFFFFFU;
+  std::memcpy(bytes.data() + 4 + 8 + 8, &id_length, sizeof id_length);
   const scratch_dir dir;
   const fs::path path = dir.path / "sparse.bin";
   {

@@ -599,8 +599,10 @@ inline constexpr std::size_t hashed_block_bytes = std::size_t{1} << 18;
 // per tensor. Per tensor the directory holds, little-endian: id length (4 bytes), id, dtype
 // (1 byte: 0 F16, 1 BF16, 2 F32, 3 F64), rank (1 byte), dimensions (8 bytes each).
 
-/// Fewest bytes a tensor takes in a directory: an empty id, a dtype and rank 0.
+/// Fewest and most bytes a tensor takes in a directory: an empty id and rank 0; the longest id
+/// and rank `max_rank`.
 inline constexpr std::uint64_t min_directory_entry_bytes = 4 + 1 + 1;
+inline constexpr std::uint64_t max_directory_entry_bytes = 4 + max_id_length + 1 + 1 + 8 * max_rank;
 
 constexpr std::uint8_t dtype_code(float_dtype dtype) noexcept {
   switch (dtype) {
@@ -959,6 +961,12 @@ void load_binary_tensors(Archive& ar, Sink& sink, std::uint64_t count, const loa
   content_hash* const hash = active_hash;
   cereal::size_type directory_bytes = 0;
   ar(cereal::make_size_tag(directory_bytes));
+  // Bounded by what `count` entries can take, before the bytes left are even asked (a sparse
+  // file "holds" whatever it claims).
+  if (directory_bytes != 0 && (directory_bytes - 1) / max_directory_entry_bytes >= count) {
+    site.fail("has a directory of " + std::to_string(directory_bytes) + " bytes, more than the entries of its " +
+              std::to_string(count) + " tensors take.");
+  }
   std::string directory;
   load_raw(ar, directory, directory_bytes, site, "directory");
   if (count > directory.size() / min_directory_entry_bytes) {
