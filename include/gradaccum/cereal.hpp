@@ -14,6 +14,7 @@
 /// | `weighted_accumulation_state` | `dtype` (text name), `loss_scale`, `total_weight`, `microbatches` |
 /// | `gradients_params_record`     | `tensors` (in record order: sorted by id)                     |
 /// | `tensor_record`               | `id`, `dtype` (text name), `shape`, `values` (row-major)      |
+/// | `dynamic_loss_scale_state`    | `scale`, `growth_tracker`, `hysteresis_left`                  |
 ///
 /// - Every type carries `record_format_version` as its cereal class version.
 /// - Dtypes are written as their text names ("F32"); 16-bit values as their bit patterns.
@@ -64,6 +65,7 @@
 #include <cereal/cereal.hpp>
 
 #include "gradaccum/dtype.hpp"
+#include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/records.hpp"
 #include "gradaccum/shape.hpp"
@@ -746,6 +748,31 @@ void load(Archive& ar, weighted_accumulation_state& state, const std::uint32_t v
   state = loaded;
 }
 
+/// @brief The loss scaler's state, exactly (a double's bits survive every archive).
+template <class Archive>
+void save(Archive& ar, const dynamic_loss_scale_state& state, const std::uint32_t /*version*/) {
+  ar(cereal::make_nvp("scale", state.scale), cereal::make_nvp("growth_tracker", state.growth_tracker),
+     cereal::make_nvp("hysteresis_left", state.hysteresis_left));
+}
+
+/// @throws error(errc::invalid_state) for a scale that is not a positive F32 value or a zero
+/// hysteresis_left; `state` is unchanged on error. The constructor of `dynamic_loss_scale` checks
+/// the rest against its options.
+template <class Archive>
+void load(Archive& ar, dynamic_loss_scale_state& state, const std::uint32_t version) {
+  detail::check_format_version(version, "a loss scale state");
+  const detail::load_site site{errc::invalid_state, "loss scale state"};
+  dynamic_loss_scale_state loaded;
+  loaded.scale = detail::load_real(ar, site, "scale");
+  loaded.growth_tracker = detail::load_unsigned(ar, site, "growth_tracker", std::numeric_limits<std::uint64_t>::max());
+  loaded.hysteresis_left =
+      detail::load_unsigned(ar, site, "hysteresis_left", std::numeric_limits<std::uint64_t>::max());
+  if (!detail::valid_f32_scale(loaded.scale))
+    site.fail("has scale " + detail::number_text(loaded.scale) + ", not a positive F32 value.");
+  if (loaded.hysteresis_left == 0) site.fail("has hysteresis_left 0; at least 1 is needed.");
+  state = loaded;
+}
+
 /// @throws error(errc::invalid_state) or error(errc::invalid_record) for a record that would not
 /// load back (see `validate`).
 template <class Archive>
@@ -785,6 +812,7 @@ CEREAL_CLASS_VERSION(gradaccum::tensor_record, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::gradients_params_record, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::weighted_accumulation_state, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::weighted_gradients_record, gradaccum::record_format_version)
+CEREAL_CLASS_VERSION(gradaccum::dynamic_loss_scale_state, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::detail::tensor_view, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::detail::gradients_view, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::detail::weighted_gradients_view, gradaccum::record_format_version)

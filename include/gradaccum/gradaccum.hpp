@@ -5,7 +5,9 @@
 
 #include "gradaccum/backend.hpp"
 #include "gradaccum/dtype.hpp"
+#include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/error.hpp"
+#include "gradaccum/global_norm.hpp"
 #include "gradaccum/gradients_accumulator.hpp"
 #include "gradaccum/gradients_params.hpp"
 #include "gradaccum/kernels.hpp"
