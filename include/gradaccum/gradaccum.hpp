@@ -14,6 +14,7 @@
 #include "gradaccum/parameter_set.hpp"
 #include "gradaccum/records.hpp"
 #include "gradaccum/shape.hpp"
+#include "gradaccum/sharded_gradients.hpp"
 #include "gradaccum/type_list.hpp"
 #include "gradaccum/version.hpp"
 #include "gradaccum/weighted_gradients_accumulator.hpp"
