@@ -4,11 +4,16 @@
 /// sums round (so every backend gets the same bits), `clip_by_global_norm`'s PyTorch semantics
 /// and its rejections, and `set_loss_scale` between windows.
 
+#include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <doctest/doctest.h>

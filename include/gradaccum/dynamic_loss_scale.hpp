@@ -31,7 +31,7 @@ namespace gradaccum {
 
 /// @brief The constants of a `dynamic_loss_scale`; the defaults are PyTorch `GradScaler`'s.
 struct dynamic_loss_scale_options {
-  double init_scale = 65536.0;           ///< the first window's scale (PyTorch 2^16; DeepSpeed 2^32)
+  double init_scale = 65536.0;           ///< the first window's scale (2^16 in PyTorch and in DeepSpeed's config)
   double growth_factor = 2.0;            ///< > 1: the scale is multiplied by it after `growth_interval` good windows
   double backoff_factor = 0.5;           ///< in (0, 1): the scale is multiplied by it after an overflow
   std::uint64_t growth_interval = 2000;  ///< ≥ 1 (DeepSpeed's `loss_scale_window`, 1000)

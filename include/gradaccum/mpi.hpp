@@ -146,7 +146,7 @@ template <class B>
 
 /// @brief `global_norm` of the whole window from its shards, with its bits: each rank sums the
 /// squares of its own `norm_block_elements` blocks, one `MPI_Allgather` (one double per block,
-/// 1/128 of an F32 window's bytes) gives every rank every block's sum, and every rank adds them in
+/// 1/512 of an F32 window's bytes) gives every rank every block's sum, and every rank adds them in
 /// block order, as `global_norm` of the full result does.
 ///
 /// Collective over the communicator the shard was reduced on.
