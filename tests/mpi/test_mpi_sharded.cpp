@@ -147,6 +147,29 @@ TEST_CASE_TEMPLATE("each shard is its range of allreduce_mean's result, bit for 
   });
 }
 
+TEST_CASE_TEMPLATE("a shard's storage is reused once its result is gone, and only then", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  const auto full = gradaccum::allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+  {
+    const auto first = gradaccum::reduce_scatter_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+    // Made while the first is kept: it must not write into the first's values.
+    const auto second = gradaccum::reduce_scatter_mean(params, rounding_sums<B, float>(params), MPI_COMM_WORLD);
+    CHECK(second.template values<float>().data() != first.template values<float>().data());
+    CHECK(shard_matches<float>(first, full));
+  }
+  const float* reused = nullptr;
+  {
+    auto last = gradaccum::reduce_scatter_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+    // Garbage everywhere, where the shard reaches past the buffer's end too.
+    for (float& v : last.template values<float>()) v = 7.0F;
+    reused = last.template values<float>().data();
+  }
+  const auto again = gradaccum::reduce_scatter_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+  CHECK(again.template values<float>().data() == reused);
+  CHECK(shard_matches<float>(again, full));  // the reduced values, and zeros past the buffer's end
+}
+
 TEST_CASE_TEMPLATE("a window smaller than one block lives on rank 0; the others hold zeros", B, BACKENDS) {
   INFO("rank " << world_rank << " of " << world_size);
   const std::vector<parameter_spec> specs{{"a", {3, 1}}, {"b", {4, 5}}};
