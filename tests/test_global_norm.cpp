@@ -88,24 +88,36 @@ TEST_CASE_TEMPLATE("global_norm is exact where the squares sum exactly", B, GRAD
   CHECK(global_norm(accumulated_gradients<B>{}) == 0.0);
 }
 
+/// A window of full-mantissa values: a different order or a single F32 accumulator would round
+/// their squares' sum differently.
+template <class B, class W>
+accumulated_gradients<B> rounding_window() {
+  const auto params = model<B>();
+  std::vector<double> head(6);
+  std::vector<double> big(48 * 48);
+  for (std::size_t i = 0; i < head.size(); ++i) head[i] = static_cast<double>(static_cast<W>(1.0 / (3.0 + i)));
+  for (std::size_t i = 0; i < big.size(); ++i) {
+    big[i] = static_cast<double>(static_cast<W>(1.0 / (3.0 + static_cast<double>(i % 97)) + 0.1));
+  }
+  weighted_gradients_accumulator<B> window(dtype_of<W>, 1.0);
+  gradients_params<B> grads;
+  grads.insert("head", make_tensor<B, W>({2, 3}, std::span<const double>(head)));
+  grads.insert("big", make_tensor<B, W>({48, 48}, std::span<const double>(big)));
+  window.accumulate_sum(params, grads, 1.0);
+  return window.finish_mean(params);
+}
+
+/// The norm's bits of `rounding_window` on every backend listed.
+template <class W, class... Bs>
+std::vector<std::uint64_t> norm_bits_on() {
+  return {std::bit_cast<std::uint64_t>(global_norm(rounding_window<Bs, W>()))...};
+}
+
 TEST_CASE_TEMPLATE("global_norm sums in the documented order, so every backend gets the same bits", B,
                    GRADACCUM_TEST_BACKENDS) {
-  const auto params = model<B>();
   for_each_work_type([&]<class W>() {
     INFO("work dtype " << to_string(dtype_of<W>));
-    // Full mantissas: a different order or a single F32 accumulator would round differently.
-    std::vector<double> head(6);
-    std::vector<double> big(48 * 48);
-    for (std::size_t i = 0; i < head.size(); ++i) head[i] = static_cast<double>(static_cast<W>(1.0 / (3.0 + i)));
-    for (std::size_t i = 0; i < big.size(); ++i) {
-      big[i] = static_cast<double>(static_cast<W>(1.0 / (3.0 + static_cast<double>(i % 97)) + 0.1));
-    }
-    weighted_gradients_accumulator<B> window(dtype_of<W>, 1.0);
-    gradients_params<B> grads;
-    grads.insert("head", make_tensor<B, W>({2, 3}, std::span<const double>(head)));
-    grads.insert("big", make_tensor<B, W>({48, 48}, std::span<const double>(big)));
-    window.accumulate_sum(params, grads, 1.0);
-    const auto result = window.finish_mean(params);
+    const auto result = rounding_window<B, W>();
 
     // The contract spelled out: the buffer in blocks of 1024 elements; per block, lane i mod 8
     // adds its squares in order, lanes combined pairwise; block sums added from the first.
@@ -208,4 +220,13 @@ TEST_CASE_TEMPLATE("set_loss_scale changes the next window's scale, only between
   window.accumulate_sum(params, gradients_params<B>{}, 0.0);
   GRADACCUM_CHECK_REJECTED(window.set_loss_scale(4.0), errc::invalid_state, "");
   CHECK(window.state().loss_scale == 2.0);
+}
+
+TEST_CASE("every backend's norm of the same window has the same bits") {
+  for_each_work_type([]<class W>() {
+    INFO("work dtype " << to_string(dtype_of<W>));
+    const std::vector<std::uint64_t> bits = norm_bits_on<W, GRADACCUM_TEST_BACKENDS>();
+    REQUIRE(!bits.empty());
+    for (const std::uint64_t b : bits) CHECK(b == bits.front());
+  });
 }

@@ -413,7 +413,8 @@ std::optional<int> parse_command_line(int argc, char** argv, options& opt) {
   app.add_option("--out", opt.out, "Output directory for the CSV, plot and checkpoint")->capture_default_str();
   app.add_flag("--check", opt.check,
                "Exit non-zero unless weighted accumulation is exact, the naive recipe is "
-               "visibly wrong and resume is bit-identical (for CI; use a small --steps)");
+               "visibly wrong, resume is bit-identical and the whole step skips exactly the forced "
+               "overflow window (for CI; use a small --steps)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
