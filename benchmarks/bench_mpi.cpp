@@ -13,7 +13,10 @@
 /// a 1 ms case held such a stall, so even their median measured the machine's load, not the
 /// reduction. The fastest run is the undisturbed time, and every peer is measured alike. Cases are
 /// named `<case>/<peer>/<bytes>` like the rest of the suite: `allreduce/<tensors>x<elements>/
-/// {mpi_raw, mpi_raw_start, mpi_rsb_ag, mpi_per_tensor, ours_eigen, ours_eigen_start}/<bytes>`.
+/// {mpi_raw, mpi_raw_start, mpi_rsb_ag, mpi_raw_rs, mpi_per_tensor, ours_eigen, ours_eigen_start,
+/// ours_eigen_sharded}/<bytes>`; `ours_eigen_sharded` is `reduce_scatter_mean`, which leaves each
+/// rank its shard (counter `result_bytes`: what the result holds per rank), and `mpi_raw_rs` its
+/// floor, one raw `MPI_Reduce_scatter`.
 /// After the table, rank 0 prints the ratio of our median time to the raw MPI_Allreduce's
 /// (targets: 1.05 for the large tensor, 1.15 for the small ones) and of the non-blocking variant
 /// to a raw MPI_Iallreduce's; `benchmarks/report --only mpi` prints the same with ranges.
@@ -147,12 +150,28 @@ void mpi_rsb_ag(benchmark::State& state, const layout& shape) {
       });
 }
 
-enum class call { blocking, start_then_wait };
+/// The sharded floor, for `ours_eigen_sharded`: one `MPI_Reduce_scatter` of every value with the
+/// counts `reduce_scatter_mean` uses (shards of whole 1,024-element blocks).
+void mpi_raw_rs(benchmark::State& state, const layout& shape) {
+  int ranks = 1;
+  int rank = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const auto n = static_cast<std::size_t>(ranks);
+  std::vector<float> values(shape.elements());
+  std::vector<float> mine(gradaccum::shard_of(values.size(), static_cast<std::size_t>(rank), n).size);
+  std::vector<int> counts(n);
+  for (std::size_t r = 0; r < n; ++r) counts[r] = static_cast<int>(gradaccum::shard_of(values.size(), r, n).stored);
+  timed_loop(
+      state, shape, [&] { std::fill(values.begin(), values.end(), 1.0F); },
+      [&] { MPI_Reduce_scatter(values.data(), mine.data(), counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); });
+}
 
-/// `allreduce_mean` (or `start_allreduce_mean` + `wait`) of every rank's sums: `shape.tensors`
-/// present parameters, one microbatch of `tokens_per_rank` tokens per rank. The sums are
-/// accumulated untimed, into the buffer of the result before (dropped untimed too), so the timed
-/// region touches no fresh memory.
+enum class call { blocking, start_then_wait, sharded };
+
+/// `allreduce_mean` (or `start_allreduce_mean` + `wait`, or `reduce_scatter_mean`) of every rank's sums:
+/// `shape.tensors` present parameters, one microbatch of `tokens_per_rank` tokens per rank. The sums are accumulated
+/// untimed, into the buffer of the result before (dropped untimed too), so the timed region touches no fresh memory.
 template <class B>
 void ours(benchmark::State& state, const layout& shape, call how) {
   gradaccum::parameter_set<B> params;
@@ -166,21 +185,27 @@ void ours(benchmark::State& state, const layout& shape, call how) {
   gradaccum::weighted_gradients_accumulator<B> window(gradaccum::float_dtype::f32, loss_scale);
   gradaccum::accumulated_gradients<B> sums;
   gradaccum::accumulated_gradients<B> mean;
+  gradaccum::sharded_gradients<B> shard;
   timed_loop(
       state, shape,
       [&] {
         mean = {};
+        shard = {};
         window.accumulate_sum(params, gradients, tokens_per_rank);
         sums = window.finish_sums();
       },
       [&] {
         if (how == call::blocking) {
           mean = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
-        } else {
+        } else if (how == call::start_then_wait) {
           auto request = gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
           mean = request.wait();
+        } else {
+          shard = gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD);
         }
       });
+  state.counters["result_bytes"] = static_cast<double>(
+      how == call::sharded ? shard.range().size * sizeof(float) : mean.gradients.template flat<float>().size_bytes());
 }
 
 /// Google Benchmark's console table, plus each peer's median time over the raw MPI_Allreduce's.
@@ -205,7 +230,9 @@ class ratio_reporter : public benchmark::ConsoleReporter {
       bytes += std::to_string(shape.bytes());
       for (const auto& [ours, peer] :
            {std::pair{"ours_eigen", "mpi_raw"}, std::pair{"ours_eigen_start", "mpi_raw_start"},
-            std::pair{"ours_eigen_start", "mpi_raw"}, std::pair{"mpi_rsb_ag", "mpi_raw"}}) {
+            std::pair{"ours_eigen_start", "mpi_raw"}, std::pair{"mpi_rsb_ag", "mpi_raw"},
+            std::pair{"ours_eigen_sharded", "mpi_raw_rs"}, std::pair{"ours_eigen_sharded", "ours_eigen"},
+            std::pair{"mpi_raw_rs", "mpi_raw"}}) {
         const auto mine = medians_.find(shape.name() + "/" + ours + bytes);
         const auto theirs = medians_.find(shape.name() + "/" + peer + bytes);
         if (mine == medians_.end() || theirs == medians_.end()) continue;
@@ -241,12 +268,15 @@ void register_cases() {
     add("mpi_raw", mpi_raw);
     add("mpi_raw_start", mpi_raw_start);
     add("mpi_rsb_ag", mpi_rsb_ag);
+    add("mpi_raw_rs", mpi_raw_rs);
     if (shape.tensors > 1) add("mpi_per_tensor", mpi_per_tensor);
     add("ours_eigen",
         [](benchmark::State& state, const layout& s) { ours<gradaccum::eigen_backend>(state, s, call::blocking); });
     add("ours_eigen_start", [](benchmark::State& state, const layout& s) {
       ours<gradaccum::eigen_backend>(state, s, call::start_then_wait);
     });
+    add("ours_eigen_sharded",
+        [](benchmark::State& state, const layout& s) { ours<gradaccum::eigen_backend>(state, s, call::sharded); });
   }
 }
 

@@ -1,18 +1,24 @@
 // mpi_data_parallel: trains the demo's character-level model data-parallel over the ranks of
-// MPI_COMM_WORLD and checks, every step, that the reduced gradient is the one a single process
-// gets from the whole window.
+// MPI_COMM_WORLD with the whole training step, twice, and checks it against one process.
 //
 //   mpirun -np 2 ./mpi_data_parallel [steps] [word-file]
 //
 // Every rank reads the same words and builds the same windows of unequal microbatches; rank r
 // computes microbatches r, r + size, ..., so ranks see different numbers of tokens. Each rank
-// accumulates the gradients of its loss SUM (scaled by a fixed loss scale) weighted by their token
-// counts; gradaccum::allreduce_mean sums values and weights over the ranks and normalizes once.
-// Rank 0 also accumulates the whole window alone (the single-process run) and prints how far
-// apart the two are, next to what averaging the ranks' own mean gradients would give.
+// accumulates the gradients of its loss SUM, scaled by a dynamic loss scale, weighted by their
+// token counts. Then, per window:
+//   full:    allreduce_mean -> clip_by_global_norm -> loss scale update -> Adam on every parameter
+//   sharded: reduce_scatter_mean -> clip_by_global_norm(shard, comm) -> loss scale update ->
+//            Adam on this rank's shard only -> allgather_shards
+// Window 3 gets an infinity on the last rank (as an F16 overflow would): every rank skips it.
+// Checks: the sharded run's parameters equal the full run's bit for bit (on 2 ranks, where
+// reduce-scatter and allreduce form the same sums); every rank holds the same parameters; the
+// reduced gradient matches what one process gets from the whole window (float rounding: sums in
+// another order); and rank 0 also trains the single-process run, whose parameters it compares.
 
 #include "demo/model.hpp"
 #include "demo/text_data.hpp"
+#include "demo/training_step.hpp"
 
 #include <gradaccum/backends/eigen.hpp>
 #include <gradaccum/gradaccum.hpp>
@@ -21,12 +27,16 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -45,7 +55,8 @@ using accumulator = gradaccum::weighted_gradients_accumulator<backend>;
 using parameters = gradaccum::parameter_set<backend>;
 
 constexpr float learning_rate = 1e-2F;
-constexpr double loss_scale = 1024;
+constexpr double max_norm = 0.4;
+constexpr std::size_t overflow_step = 3;
 constexpr std::uint64_t seed = 42;
 constexpr int context = 3;
 // Float sums in another order round differently, by a few units in the last place: far below this.
@@ -113,24 +124,40 @@ std::filesystem::path word_file(int argc, char** argv) {
 }
 
 /// Accumulates `microbatches[i]` for every i with i % every == first: this rank's share of the
-/// window, or all of it (first 0, every 1) for the single-process run.
+/// window, or all of it (first 0, every 1) for the single-process run. With `overflow`, microbatch
+/// `poisoned` (the last rank's first) gets an infinity in one gradient.
 accumulator accumulate_window(const demo::char_mlp<float>& model, const parameters& params, const demo::window& w,
-                              std::size_t first, std::size_t every) {
+                              std::size_t first, std::size_t every, double loss_scale, bool overflow,
+                              std::size_t poisoned) {
   accumulator window(float_dtype::f32, loss_scale);
   demo::char_mlp<float> g = demo::char_mlp<float>::zeros(demo::model_shape{});
   for (std::size_t i = first; i < w.microbatches.size(); i += every) {
     const demo::token_batch& mb = w.microbatches[i];
     demo::loss_and_gradients(model, mb, static_cast<float>(loss_scale), g);  // of the scaled loss SUM
+    if (overflow && i == poisoned) g.out_bias(0) = std::numeric_limits<float>::infinity();
     window.accumulate_sum(params, views_of(g), static_cast<double>(mb.tokens()));
   }
   return window;
 }
 
+/// One training run: the model, its parameters in the window's layout, Adam (over the whole
+/// buffer, or one shard of it) and the loss scale.
+struct training_run {
+  demo::char_mlp<float> model;
+  std::vector<float> flat;
+  demo::flat_adam adam;
+  gradaccum::dynamic_loss_scale scaler;
+  std::vector<std::size_t> skipped;
+
+  training_run(const demo::char_mlp<float>& initial, const demo::flat_layout& layout, std::size_t adam_elements)
+      : model(initial), flat(demo::flat_parameters(initial, layout)), adam(adam_elements, learning_rate) {}
+};
+
 /// What mainstream data parallelism computes: each rank's own mean gradient, averaged over the
 /// ranks with equal weight whatever their token counts.
 demo::char_mlp<double> mean_of_rank_means(accumulator local, const parameters& params) {
   accumulator rank_means(float_dtype::f32, 1.0);
-  if (local.state().total_weight > 0) {
+  if (local.state().total_weight > 0 && local.non_finite().empty()) {
     const demo::char_mlp<float> own_mean =
         model_gradients<float>(local.finish_mean(params).gradients, demo::model_shape{});
     rank_means.accumulate_mean(params, views_of(own_mean), 1.0);
@@ -158,49 +185,121 @@ int run(int argc, char** argv, const rank_info& me) {
   std::vector<std::string> words = demo::read_words(word_file(argc, argv));
   const demo::model_shape shape{};
   std::mt19937_64 rng(seed);
-  demo::char_mlp<float> model = demo::init_model(shape, rng);  // the same on every rank
+  const demo::char_mlp<float> initial = demo::init_model(shape, rng);  // the same on every rank
   demo::window_stream stream(std::move(words), {3, 17, 40, 9}, context, seed);
-  demo::adam optimizer(shape, learning_rate);
-  const parameters params = parameter_set_of(model);
+  const parameters params = parameter_set_of(initial);
+  const demo::flat_layout layout(params);
+  const auto rank = static_cast<std::size_t>(me.rank);
+  const auto ranks = static_cast<std::size_t>(me.size);
+  const std::size_t poisoned = ranks - 1;  // the last rank's first microbatch
 
+  training_run full(initial, layout, layout.elements());
+  training_run sharded(initial, layout, gradaccum::shard_of(layout.elements(), rank, ranks).size);
+  training_run single(initial, layout, layout.elements());  // rank 0 only
   double worst_match = 0;
   double worst_naive = 0;
+  bool sharded_equal = true;
   for (std::size_t step = 1; step <= steps; ++step) {
     const demo::window w = stream.next();
-    accumulator local =
-        accumulate_window(model, params, w, static_cast<std::size_t>(me.rank), static_cast<std::size_t>(me.size));
+    const bool overflow = step == overflow_step;
+
+    // Full: every rank gets the whole mean and updates every parameter.
+    accumulator local = accumulate_window(full.model, params, w, rank, ranks, full.scaler.scale(), overflow, poisoned);
     const auto naive = mean_of_rank_means(local, params);
     auto my_tokens = static_cast<unsigned long>(local.state().total_weight);
-    const auto mean = gradaccum::allreduce_mean(params, local.finish_sums(), MPI_COMM_WORLD);
-    const auto data_parallel = model_gradients<float>(mean.gradients, shape);
+    auto mean = gradaccum::allreduce_mean(params, local.finish_sums(), MPI_COMM_WORLD);
+    const demo::char_mlp<float> reduced = model_gradients<float>(mean.gradients, shape);  // before clipping
+    const double norm = gradaccum::clip_by_global_norm(mean, max_norm);
+    if (full.scaler.update(!std::isfinite(norm))) {
+      full.adam.step(full.flat, mean.gradients);
+    } else {
+      full.skipped.push_back(step);
+    }
 
-    std::vector<unsigned long> tokens_per_rank(static_cast<std::size_t>(me.size));
+    // Sharded: each rank gets its shard, updates its parameters, then shares them.
+    accumulator mine =
+        accumulate_window(sharded.model, params, w, rank, ranks, sharded.scaler.scale(), overflow, poisoned);
+    auto shard = gradaccum::reduce_scatter_mean(params, mine.finish_sums(), MPI_COMM_WORLD);
+    const double shard_norm = gradaccum::clip_by_global_norm(shard, max_norm, MPI_COMM_WORLD);
+    if (sharded.scaler.update(shard.found_non_finite() || !std::isfinite(shard_norm))) {
+      const gradaccum::shard_range& range = shard.range();
+      sharded.adam.step(std::span(sharded.flat).subspan(range.begin, range.stored), shard);
+      gradaccum::allgather_shards(shard, std::span(sharded.flat), MPI_COMM_WORLD);
+    } else {
+      sharded.skipped.push_back(step);
+    }
+    sharded_equal = sharded_equal && sharded.flat == full.flat &&
+                    (std::bit_cast<std::uint64_t>(shard_norm) == std::bit_cast<std::uint64_t>(norm));
+
+    std::vector<unsigned long> tokens_per_rank(ranks);
     MPI_Gather(&my_tokens, 1, MPI_UNSIGNED_LONG, tokens_per_rank.data(), 1, MPI_UNSIGNED_LONG, 0, MPI_COMM_WORLD);
     if (me.rank == 0) {
-      const auto reference =
-          model_gradients<double>(accumulate_window(model, params, w, 0, 1).finish_mean(params).gradients, shape);
-      const double match = relative_error(data_parallel.cast<double>(), reference);
-      const double off = relative_error(naive, reference);
-      worst_match = std::max(worst_match, match);
-      worst_naive = std::max(worst_naive, off);
       std::string split;
       for (const unsigned long t : tokens_per_rank) split += (split.empty() ? "" : " + ") + std::to_string(t);
-      std::printf(
-          "step %3zu  tokens %s = %.0f  |data-parallel - single| / |single| = %.1e   mean of rank means: %.1e\n", step,
-          split.c_str(), mean.state.total_weight, match, off);
+      if (overflow) {
+        std::printf("step %3zu  tokens %s = %.0f  overflow (an infinity on rank %zu): skipped, loss scale now %g\n",
+                    step, split.c_str(), mean.state.total_weight, poisoned, full.scaler.scale());
+      } else {
+        const auto reference =
+            model_gradients<double>(accumulate_window(full.model, params, w, 0, 1, mean.state.loss_scale, false, 0)
+                                        .finish_mean(params)
+                                        .gradients,
+                                    shape);
+        const double match = relative_error(reduced.cast<double>(), reference);
+        const double off = relative_error(naive, reference);
+        worst_match = std::max(worst_match, match);
+        worst_naive = std::max(worst_naive, off);
+        std::printf(
+            "step %3zu  tokens %s = %.0f  |data-parallel - single| / |single| = %.1e   mean of rank means: %.1e  "
+            "norm %.3f\n",
+            step, split.c_str(), mean.state.total_weight, match, off, norm);
+      }
+      // The single-process run: the whole window, the same step.
+      auto alone = accumulate_window(single.model, params, w, 0, 1, single.scaler.scale(), overflow, poisoned)
+                       .finish_mean(params);
+      if (single.scaler.update(!std::isfinite(gradaccum::clip_by_global_norm(alone, max_norm)))) {
+        single.adam.step(single.flat, alone.gradients);
+      } else {
+        single.skipped.push_back(step);
+      }
+      demo::write_back(single.flat, layout, single.model);
     }
-    optimizer.step(model, data_parallel);
+    demo::write_back(full.flat, layout, full.model);
+    demo::write_back(sharded.flat, layout, sharded.model);
   }
 
-  const bool same_model = ranks_hold_same_model(model);
+  const bool same_model = ranks_hold_same_model(full.model) && ranks_hold_same_model(sharded.model);
+  int all_equal = sharded_equal ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &all_equal, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (me.rank != 0) return 0;
+  const std::vector<std::size_t> expected_skips{overflow_step};
+  const bool skipped_together =
+      steps < overflow_step ||
+      (full.skipped == expected_skips && sharded.skipped == expected_skips && single.skipped == expected_skips);
   const bool match = worst_match < match_below;
+  // Promised bit for bit where reduce-scatter and allreduce form the same sums: on 1 and 2 ranks.
+  const bool sharded_ok = all_equal == 1 || me.size > 2;
+  double parameter_difference = 0;
+  double parameter_norm = 0;
+  for (std::size_t i = 0; i < full.flat.size(); ++i) {
+    parameter_difference += std::pow(static_cast<double>(full.flat[i]) - single.flat[i], 2);
+    parameter_norm += std::pow(static_cast<double>(single.flat[i]), 2);
+  }
   std::printf(
       "\n%d ranks, %zu steps: data-parallel gradients %s the single-process run (worst relative difference "
       "%.1e, float rounding; averaging per-rank means is off by up to %.1e)\n",
       me.size, steps, match ? "match" : "DO NOT match", worst_match, worst_naive);
   std::printf("every rank holds the same parameters: %s\n", same_model ? "yes, bit for bit" : "NO");
-  return match && same_model ? 0 : 1;
+  std::printf(
+      "sharded run (reduce_scatter_mean, Adam on %zu of %zu elements per rank, allgather_shards) equals the "
+      "full run: %s\n",
+      gradaccum::shard_of(layout.elements(), 0, ranks).size, layout.elements(),
+      all_equal == 1 ? "yes, bit for bit" : (me.size > 2 ? "no (not promised on more than 2 ranks)" : "NO"));
+  std::printf("parameters vs the single-process run: relative difference %.1e (float sums in another order)\n",
+              std::sqrt(parameter_difference / parameter_norm));
+  std::printf("overflow at step %zu skipped by every rank in every run: %s\n", overflow_step,
+              skipped_together ? "yes" : "NO");
+  return match && same_model && sharded_ok && skipped_together ? 0 : 1;
 }
 
 }  // namespace

@@ -1,12 +1,15 @@
 // The measurements of the demo, each on one accumulation window: gradient
 // exactness of the accumulation recipes, mixed-precision microbatch
-// gradients, and resuming a window from a checkpoint file.
+// gradients, and resuming a window from a checkpoint file; and the whole
+// training step after a window (clipping, dynamic loss scaling, Adam).
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -19,6 +22,7 @@
 
 #include "model.hpp"
 #include "text_data.hpp"
+#include "training_step.hpp"
 
 namespace demo {
 
@@ -228,6 +232,53 @@ inline resume_result check_resume(const char_mlp<float>& model, const window& w,
   gradaccum::load_checkpoint(checkpoint, params, resumed);
   accumulate(resumed, r.split_after, n);
   r.mismatch = first_mismatch(expected, resumed.finish_mean(params).gradients);
+  return r;
+}
+
+struct full_step_result {
+  std::vector<double> scales;        // each window's loss scale
+  std::vector<double> norms;         // each window's gradient norm, before clipping
+  std::vector<std::size_t> skipped;  // windows whose step was skipped
+  double first_loss = 0;             // mean training loss of the first and last window
+  double last_loss = 0;
+};
+
+// The whole step, window after window: a token-weighted window of scaled loss-SUM gradients, the
+// reduction (finish_mean: one process), clipping to `max_norm`, the loss scale's update, Adam over
+// the flat buffer. Window `overflow_at` gets an infinity in one gradient, as an F16 overflow
+// would: its step is skipped and the scale backs off.
+inline full_step_result train_full_steps(char_mlp<float> model, const std::vector<window>& windows,
+                                         std::size_t overflow_at, float lr, double max_norm) {
+  const parameters params = parameter_set_of(model);
+  const flat_layout layout(params);
+  std::vector<float> flat = flat_parameters(model, layout);
+  flat_adam adam(layout.elements(), lr);
+  char_mlp<float> g = char_mlp<float>::zeros(model_shape{});
+  full_step_result r;
+
+  gradaccum::dynamic_loss_scale scaler;  // GradScaler's defaults: 2^16, x2 / 2000 windows, x0.5
+  gradaccum::weighted_gradients_accumulator<backend> window(gradaccum::float_dtype::f32, scaler.scale());
+  for (std::size_t step = 0; step < windows.size(); ++step) {
+    double loss = 0;
+    for (const token_batch& mb : windows[step].microbatches) {
+      loss += loss_and_gradients(model, mb, static_cast<float>(scaler.scale()), g);  // of the scaled SUM
+      if (step == overflow_at) g.out_bias(0) = std::numeric_limits<float>::infinity();
+      window.accumulate_sum(params, views_of(g), static_cast<double>(mb.tokens()));
+    }
+    r.scales.push_back(scaler.scale());
+    auto mean = window.finish_mean(params);                              // (sums / scale) / tokens
+    const double norm = gradaccum::clip_by_global_norm(mean, max_norm);  // as clip_grad_norm_
+    if (scaler.update(!std::isfinite(norm))) {                           // false after an overflow: skip, back off
+      adam.step(flat, mean.gradients);
+    } else {
+      r.skipped.push_back(step);
+    }
+    window.set_loss_scale(scaler.scale());  // the next window's fixed scale
+    write_back(flat, layout, model);
+
+    r.norms.push_back(norm);
+    (step == 0 ? r.first_loss : r.last_loss) = loss / static_cast<double>(windows[step].tokens());
+  }
   return r;
 }
 

@@ -3,7 +3,9 @@
 // token-weighted accumulation reproduces the full-batch gradient while the
 // usual mean of per-microbatch mean losses does not; that F16/BF16
 // microbatch gradients accumulate well in F32 under a fixed loss scale; and
-// that a window checkpointed mid-way resumes bit-identically.
+// that a window checkpointed mid-way resumes bit-identically; and runs the whole
+// training step after a window (clipping, dynamic loss scaling with a forced
+// overflow that is skipped, Adam over the flat buffer).
 
 #include <algorithm>
 #include <array>
@@ -47,6 +49,9 @@ constexpr std::size_t report_every = 25;  // steps between plain progress lines 
 constexpr std::size_t max_heldout_words = 1000;
 constexpr double check_weighted_below = 1e-5;
 constexpr double check_naive_above = 1e-3;
+constexpr std::size_t full_step_windows = 8;
+constexpr std::size_t forced_overflow_window = 3;
+constexpr double max_gradient_norm = 0.4;  // below most of these windows' norms: they get clipped
 
 struct options {
   std::string data;
@@ -177,10 +182,12 @@ struct window_measurements {
   std::array<demo::exactness_result, 2> exactness;
   std::vector<precision_row> precision;
   demo::resume_result resume;
+  demo::full_step_result full_step;
 };
 
 window_measurements measure(const char_mlp<float>& model, const demo::window& first, const demo::window& last,
-                            const demo::model_shape& shape, const options& opt, const fs::path& out) {
+                            const std::vector<demo::window>& windows, const demo::model_shape& shape,
+                            const options& opt, const fs::path& out) {
   const std::size_t full = demo::plan_sequences(opt.plan);
   const std::string last_label =
       "last window of epoch 0 (" + (last.sequences() < full ? "short: " + std::to_string(last.sequences()) + " of " +
@@ -199,6 +206,7 @@ window_measurements measure(const char_mlp<float>& model, const demo::window& fi
                     {std::string("F16 gradients, loss scale ") + scale,
                      demo::mixed_precision_error<Eigen::half>(model, first, shape, opt.loss_scale, reference)}},
       .resume = demo::check_resume(model, first, shape, opt.dtype, out / "resume_checkpoint.bin"),
+      .full_step = demo::train_full_steps(model, windows, forced_overflow_window, learning_rate, max_gradient_norm),
   };
 }
 
@@ -232,6 +240,27 @@ void print_summary(const window_measurements& m, const training_result& training
     std::printf("    resume: MISMATCH (%s)\n", m.resume.mismatch.c_str());
   }
 
+  const demo::full_step_result& step = m.full_step;
+  std::printf("the whole step (%zu windows): finish_mean -> clip_by_global_norm(%g) -> loss scale update -> Adam\n",
+              step.scales.size(), max_gradient_norm);
+  std::string scales;
+  std::string norms;
+  for (std::size_t i = 0; i < step.scales.size(); ++i) {
+    char cell[32];
+    std::snprintf(cell, sizeof cell, "%s%g", i == 0 ? "" : " ", step.scales[i]);
+    scales += cell;
+    std::snprintf(cell, sizeof cell, "%s%.3g", i == 0 ? "" : " ", step.norms[i]);
+    norms += cell;
+  }
+  std::printf("    loss scale per window:        %s\n", scales.c_str());
+  std::printf("    gradient norm before clipping: %s\n", norms.c_str());
+  for (const std::size_t skipped : step.skipped) {
+    std::printf("    window %zu overflowed (an infinity forced into its gradients): step skipped, scale %g -> %g\n",
+                skipped, step.scales[skipped],
+                skipped + 1 < step.scales.size() ? step.scales[skipped + 1] : step.scales[skipped] / 2);
+  }
+  std::printf("    mean train loss: first window %.4f, last window %.4f\n", step.first_loss, step.last_loss);
+
   std::printf("training: %zu Adam steps (lr %g) per recipe, %s work dtype   train loss  held-out\n", opt.steps,
               static_cast<double>(learning_rate), dtype_name(opt.dtype).c_str());
   const demo::curve_point& final_point = training.curve.back();
@@ -264,6 +293,16 @@ std::vector<std::string> check_failures(const window_measurements& m) {
   }
   if (!m.resume.mismatch.empty()) {
     failures.push_back("resume is not bit-identical: " + m.resume.mismatch);
+  }
+  const demo::full_step_result& step = m.full_step;
+  if (step.skipped != std::vector<std::size_t>{forced_overflow_window}) {
+    failures.push_back("the whole step: exactly the forced overflow window must be skipped");
+  }
+  for (std::size_t i = 0; i + 1 < step.scales.size(); ++i) {
+    const double expected = i == forced_overflow_window ? step.scales[i] / 2 : step.scales[i];
+    if (step.scales[i + 1] != expected || std::isfinite(step.norms[i]) == (i == forced_overflow_window)) {
+      failures.push_back("the whole step: window " + std::to_string(i) + "'s scale or norm is wrong");
+    }
   }
   return failures;
 }
@@ -306,7 +345,9 @@ int run(const options& opt) {
   const fs::path png = out / "loss_curves.png";
   demo::write_csv(csv, training.curve);
   const std::string plot_problem = demo::plot_png(csv, png, out / "loss_curves.gp");
-  const window_measurements m = measure(training.gradaccum_model, first, last, shape, opt, out);
+  std::vector<demo::window> step_windows;
+  for (std::size_t i = 0; i < full_step_windows; ++i) step_windows.push_back(stream.at(i % stream.windows_per_epoch()));
+  const window_measurements m = measure(training.gradaccum_model, first, last, step_windows, shape, opt, out);
 
   print_summary(m, training, opt);
   std::printf("files:\n    %s\n", csv.c_str());
@@ -372,7 +413,8 @@ std::optional<int> parse_command_line(int argc, char** argv, options& opt) {
   app.add_option("--out", opt.out, "Output directory for the CSV, plot and checkpoint")->capture_default_str();
   app.add_flag("--check", opt.check,
                "Exit non-zero unless weighted accumulation is exact, the naive recipe is "
-               "visibly wrong and resume is bit-identical (for CI; use a small --steps)");
+               "visibly wrong, resume is bit-identical and the whole step skips exactly the forced "
+               "overflow window (for CI; use a small --steps)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -14,6 +14,7 @@
 /// | `weighted_accumulation_state` | `dtype` (text name), `loss_scale`, `total_weight`, `microbatches`, `checksum` |
 /// | `gradients_params_record`     | `tensors` (in record order: sorted by id), `checksum`         |
 /// | `tensor_record`               | `id`, `dtype` (text name), `shape`, `values` (row-major)      |
+/// | `dynamic_loss_scale_state`    | `scale`, `growth_tracker`, `hysteresis_left`, `checksum`      |
 ///
 /// - Every type carries `record_format_version` as its cereal class version.
 /// - `checksum` is the XXH3-64 of the content before it, over a canonical byte stream that does
@@ -84,6 +85,7 @@
 #include "gradaccum/detail/checksum.hpp"
 #include "gradaccum/detail/text_guards.hpp"
 #include "gradaccum/dtype.hpp"
+#include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/records.hpp"
 #include "gradaccum/shape.hpp"
@@ -129,6 +131,15 @@ template <class Archive>
 void save(Archive& ar, const weighted_gradients_record& record, std::uint32_t version);
 template <class Archive>
 void load(Archive& ar, weighted_gradients_record& record, std::uint32_t version);
+
+/// The loss scaler's state, exactly (a double's bits survive every archive), and its checksum.
+/// @throws error(errc::invalid_state) for a scale that is not a positive F32 value or a zero
+/// hysteresis_left; `state` is unchanged on error. The constructor of `dynamic_loss_scale`
+/// checks the rest against its options.
+template <class Archive>
+void save(Archive& ar, const dynamic_loss_scale_state& state, std::uint32_t version);
+template <class Archive>
+void load(Archive& ar, dynamic_loss_scale_state& state, std::uint32_t version);
 
 // ---- Implementation ------------------------------------------------------------------------------
 
@@ -580,6 +591,14 @@ inline std::uint64_t state_checksum(const weighted_accumulation_state& state) no
   hash.add(state.loss_scale);
   hash.add(state.total_weight);
   hash.add(state.microbatches);
+  return hash.digest();
+}
+
+inline std::uint64_t loss_scale_checksum(const dynamic_loss_scale_state& state) noexcept {
+  content_hash hash;
+  hash.add(state.scale);
+  hash.add(state.growth_tracker);
+  hash.add(state.hysteresis_left);
   return hash.digest();
 }
 
@@ -1178,6 +1197,31 @@ void load(Archive& ar, weighted_accumulation_state& state, const std::uint32_t v
 }
 
 template <class Archive>
+void save(Archive& ar, const dynamic_loss_scale_state& state, const std::uint32_t /*version*/) {
+  ar(cereal::make_nvp("scale", state.scale), cereal::make_nvp("growth_tracker", state.growth_tracker),
+     cereal::make_nvp("hysteresis_left", state.hysteresis_left),
+     cereal::make_nvp("checksum", detail::loss_scale_checksum(state)));
+}
+
+template <class Archive>
+void load(Archive& ar, dynamic_loss_scale_state& state, const std::uint32_t version) {
+  detail::check_format_version(version, "a loss scale state");
+  const detail::load_site site{errc::invalid_state, "loss scale state"};
+  dynamic_loss_scale_state loaded;
+  loaded.scale = detail::load_real(ar, site, "scale");
+  loaded.growth_tracker = detail::load_unsigned(ar, site, "growth_tracker", std::numeric_limits<std::uint64_t>::max());
+  loaded.hysteresis_left =
+      detail::load_unsigned(ar, site, "hysteresis_left", std::numeric_limits<std::uint64_t>::max());
+  if (detail::has_checksum(version)) {
+    detail::check_checksum(ar, {errc::invalid_record, "loss scale state"}, detail::loss_scale_checksum(loaded));
+  }
+  if (!detail::valid_f32_scale(loaded.scale))
+    site.fail("has scale " + detail::number_text(loaded.scale) + ", not a positive F32 value.");
+  if (loaded.hysteresis_left == 0) site.fail("has hysteresis_left 0; at least 1 is needed.");
+  state = loaded;
+}
+
+template <class Archive>
 void save(Archive& ar, const weighted_gradients_record& record, const std::uint32_t /*version*/) {
   validate(record);
   ar(cereal::make_nvp("state", record.state), cereal::make_nvp("gradients", record.gradients));
@@ -1198,6 +1242,7 @@ CEREAL_CLASS_VERSION(gradaccum::tensor_record, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::gradients_params_record, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::weighted_accumulation_state, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::weighted_gradients_record, gradaccum::record_format_version)
+CEREAL_CLASS_VERSION(gradaccum::dynamic_loss_scale_state, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::detail::tensor_view, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::detail::gradients_view, gradaccum::record_format_version)
 CEREAL_CLASS_VERSION(gradaccum::detail::weighted_gradients_view, gradaccum::record_format_version)

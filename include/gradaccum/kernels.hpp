@@ -289,6 +289,34 @@ void add_scaled_strided(W* __restrict acc, const T* g, std::span<const std::size
     if (!advanced) return;
   }
 }
+
+/// @brief `Σ x[i]²` for i in [0, count), in F64 whatever W, in one fixed order: element i goes to
+/// lane i mod 8, each lane adds its squares in index order, and the lanes are combined as
+/// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`.
+///
+/// Fixed lanes let the loop vectorize without reassociating anything, so the bits depend only on
+/// the values and `count`, never on the compiler, the target or a thread split; zeros appended
+/// after the last element leave them unchanged. An F32 square is exact in F64.
+template <class W>
+double sum_of_squares(const W* x, std::size_t count) noexcept {
+  GRADACCUM_NO_FP_CONTRACT
+  constexpr std::size_t lanes = 8;
+  std::array<double, lanes> lane{};
+  std::size_t i = 0;
+  for (; i + lanes <= count; i += lanes) {
+    for (std::size_t j = 0; j < lanes; ++j) {
+      const auto v = static_cast<double>(x[i + j]);
+      const double square = v * v;
+      lane[j] = lane[j] + square;
+    }
+  }
+  for (std::size_t j = 0; i + j < count; ++j) {
+    const auto v = static_cast<double>(x[i + j]);
+    const double square = v * v;
+    lane[j] = lane[j] + square;
+  }
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif

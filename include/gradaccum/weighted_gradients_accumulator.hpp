@@ -52,10 +52,19 @@ class weighted_gradients_accumulator {
   /// finite and non-zero as a float.
   weighted_gradients_accumulator(float_dtype dtype, double loss_scale) : state_{dtype, loss_scale, 0.0, 0} {
     detail::require_work_dtype(dtype);
-    if (loss_scale <= 0.0) {
-      detail::fail(errc::invalid_scalar, "loss scale " + detail::number_text(loss_scale) + " is not positive.");
+    require_loss_scale(loss_scale, dtype);
+  }
+
+  /// @brief Sets the loss scale of the next window (e.g. `dynamic_loss_scale::scale()`), keeping
+  /// the buffer. A window keeps one scale, so this is only allowed between windows.
+  /// @throws error(errc::invalid_state) when the window has accepted a microbatch;
+  /// error(errc::invalid_scalar) for a scale the constructor rejects. Nothing changes.
+  void set_loss_scale(double loss_scale) {
+    if (state_.microbatches != 0) {
+      detail::fail(errc::invalid_state, "cannot change the loss scale of a window that has accepted microbatches.");
     }
-    detail::require_scalar(loss_scale, dtype, true);
+    require_loss_scale(loss_scale, state_.dtype);
+    state_.loss_scale = loss_scale;
   }
 
   /// @brief Adds gradients of a weighted loss SUM whose effective token/sample count is `weight`.
@@ -213,6 +222,13 @@ class weighted_gradients_accumulator {
     }
     state_.total_weight = total;
     ++state_.microbatches;
+  }
+
+  static void require_loss_scale(double loss_scale, float_dtype dtype) {
+    if (loss_scale <= 0.0) {
+      detail::fail(errc::invalid_scalar, "loss scale " + detail::number_text(loss_scale) + " is not positive.");
+    }
+    detail::require_scalar(loss_scale, dtype, true);
   }
 
   void reset_counters() noexcept {

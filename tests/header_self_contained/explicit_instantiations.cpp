@@ -15,7 +15,8 @@
   template class gradaccum::gradients_params<backend>;               \
   template class gradaccum::gradients_accumulator<backend>;          \
   template class gradaccum::weighted_gradients_accumulator<backend>; \
-  template struct gradaccum::accumulated_gradients<backend>;
+  template struct gradaccum::accumulated_gradients<backend>;         \
+  template class gradaccum::sharded_gradients<backend>;
 
 #if GRADACCUM_HAVE_EIGEN
 GRADACCUM_INSTANTIATE_FOR(gradaccum::eigen_backend)

@@ -23,6 +23,7 @@
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/flat_gradients.hpp"
+#include "gradaccum/kernels.hpp"
 #include "gradaccum/parameter_set.hpp"
 #include "gradaccum/records.hpp"
 #include "gradaccum/weighted_gradients_accumulator.hpp"
@@ -87,9 +88,11 @@ struct agreement {
   word_range present;     // how many parameters have a gradient
   double total_weight = 0.0;
   std::uint64_t microbatches = 0;  // saturating sum: saturation means overflow
+  std::uint64_t non_finite = 0;    // 1 when some rank's sums hold a NaN or an infinity (if checked)
 
   void combine(const agreement& other) noexcept {
     first_failure = std::min(first_failure, other.first_failure);
+    non_finite = std::max(non_finite, other.non_finite);
     layout.combine(other.layout);
     dtype.combine(other.dtype);
     loss_scale.combine(other.loss_scale);
@@ -243,6 +246,7 @@ struct agreed_window {
   weighted_accumulation_state state;
   std::size_t begin = 0;  // elements [begin, end) hold every present segment: the ones reduced
   std::size_t end = 0;
+  bool found_non_finite = false;  // some rank's sums held a NaN or an infinity (when checked)
 };
 
 /// This rank's buffer for the reduction, found or made before the agreement so that nothing
@@ -341,14 +345,15 @@ inline void check_agreement(const agreement& agreed) {
   }
 }
 
-/// The agreement step of both entry points: checks this rank's sums, agrees with the other ranks
+/// The agreement step of every entry point: checks this rank's sums, agrees with the other ranks
 /// in one small collective (two when some parameter is present on some ranks only), and on
 /// success takes the sums. `reserve(elements)` allocates what the value collectives will need,
 /// before the agreement: a failure on one rank is then an error on every rank, never a rank
-/// missing from a collective.
+/// missing from a collective. With `check_non_finite`, each rank's sums are read for a NaN or an
+/// infinity and the agreement ORs the answers (a reduction whose result no rank holds whole).
 template <class B, class Reserve>
-agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm,
-                       Reserve&& reserve) {
+agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm, Reserve&& reserve,
+                       bool check_non_finite = false) {
   int rank = 0;
   check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
 
@@ -376,6 +381,12 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   agreed.present = word_range::of(sums.gradients.size());
   agreed.total_weight = sums.state.total_weight;
   agreed.microbatches = sums.state.microbatches;
+  if (check_non_finite && local) {
+    const flat_storage& own = *local->storage;
+    const bool finite = own.dtype == float_dtype::f64 ? kernels::all_finite(own.data<double>(), own.elements)
+                                                      : kernels::all_finite(own.data<float>(), own.elements);
+    agreed.non_finite = finite ? 0 : 1;
+  }
   const library_handles& handles = library_handles::get();
   check(MPI_Allreduce(MPI_IN_PLACE, &agreed, 1, handles.type, handles.op, comm), "MPI_Allreduce");
   if (local_failure) std::rethrow_exception(local_failure);
@@ -403,6 +414,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   //    the last (the zeros between cost less than splitting the collectives).
   agreed_window<B> window;
   window.state = {sums.state.dtype, sums.state.loss_scale, agreed.total_weight, agreed.microbatches};
+  window.found_non_finite = agreed.non_finite != 0;
   const flat_layout<B>& layout = *local->layout;
   if (storage.present_count != 0) {
     std::size_t first = 0;

@@ -1,0 +1,162 @@
+#pragma once
+/// @file
+/// @brief `dynamic_loss_scale`: the loss scale of each window, backed off after a window whose
+/// sums overflowed and grown after a run of good ones, as PyTorch's `GradScaler` and DeepSpeed's
+/// `DynamicLossScaler` do. Explicit: nothing advances it but `update`.
+///
+/// @code
+/// gradaccum::dynamic_loss_scale scaler;                        // 2^16, ×2 / 2000 windows, ×0.5
+/// gradaccum::weighted_gradients_accumulator<B> window(gradaccum::float_dtype::f32, scaler.scale());
+/// for (;;) {
+///   // ... accumulate gradients of (loss × scaler.scale()) ...
+///   auto mean = window.finish_mean(params);
+///   const double norm = gradaccum::clip_by_global_norm(mean, 1.0);
+///   if (scaler.update(!std::isfinite(norm))) optimizer_step(mean);  // else: skipped
+///   window.set_loss_scale(scaler.scale());                           // the next window's scale
+/// }
+/// @endcode
+///
+/// Its state (`dynamic_loss_scale_state`) is a plain value, saved and restored bit for bit with
+/// cereal (`<gradaccum/cereal.hpp>`), and given back to the constructor on resume.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "gradaccum/error.hpp"
+
+namespace gradaccum {
+
+/// @brief The constants of a `dynamic_loss_scale`; the defaults are PyTorch `GradScaler`'s.
+struct dynamic_loss_scale_options {
+  double init_scale = 65536.0;           ///< the first window's scale (2^16 in PyTorch and in DeepSpeed's config)
+  double growth_factor = 2.0;            ///< > 1: the scale is multiplied by it after `growth_interval` good windows
+  double backoff_factor = 0.5;           ///< in (0, 1): the scale is multiplied by it after an overflow
+  std::uint64_t growth_interval = 2000;  ///< ≥ 1 (DeepSpeed's `loss_scale_window`, 1000)
+  /// ≥ 1: overflows tolerated before the scale backs off, DeepSpeed's `hysteresis` (its config
+  /// default is 2; 1 is PyTorch's behaviour). Restored to this value whenever the scale grows.
+  std::uint64_t hysteresis = 1;
+  /// > 0: the scale never backs off below this. PyTorch has no floor; DeepSpeed's `min_loss_scale`
+  /// defaults to 1. The default here is the smallest normal F32, so every scale suits an F32 window.
+  double min_scale = static_cast<double>(std::numeric_limits<float>::min());
+
+  friend bool operator==(const dynamic_loss_scale_options&, const dynamic_loss_scale_options&) = default;
+};
+
+/// @brief Everything `update` changes: what a checkpoint must carry to resume bit for bit.
+struct dynamic_loss_scale_state {
+  double scale = 65536.0;  ///< the scale of the next window
+  /// Good windows since the last growth or overflow (PyTorch's `_growth_tracker`); < growth_interval.
+  std::uint64_t growth_tracker = 0;
+  /// Overflows still tolerated before the scale backs off (DeepSpeed's `cur_hysteresis`); in
+  /// [1, hysteresis].
+  std::uint64_t hysteresis_left = 1;
+
+  friend bool operator==(const dynamic_loss_scale_state&, const dynamic_loss_scale_state&) = default;
+};
+
+/// @brief Dynamic loss scaling with PyTorch's `GradScaler` and DeepSpeed's `DynamicLossScaler`
+/// rules. After each window, `update(found_non_finite)`:
+///
+///     overflow:  growth_tracker = 0
+///                hysteresis_left > 1 ? --hysteresis_left
+///                                    : scale = max(scale · backoff_factor, min_scale)
+///     finite:    if ++growth_tracker == growth_interval:
+///                  growth_tracker = 0, hysteresis_left = hysteresis,
+///                  scale · growth_factor if it is finite as an F32 (else scale stays)
+///
+/// and returns whether to take the optimizer step (no overflow). Every window keeps one fixed
+/// scale: ask `scale()` for the next window's only after `update`.
+class dynamic_loss_scale {
+ public:
+  /// @brief PyTorch's defaults: 2^16, ×2 after 2000 good windows, ×0.5 after an overflow.
+  dynamic_loss_scale() : dynamic_loss_scale(dynamic_loss_scale_options{}) {}
+
+  /// @throws error(errc::invalid_scalar) for options outside the ranges documented on
+  /// `dynamic_loss_scale_options`, or an `init_scale` that is not a positive F32 value ≥ min_scale.
+  explicit dynamic_loss_scale(const dynamic_loss_scale_options& options)
+      : dynamic_loss_scale(options, {options.init_scale, 0, options.hysteresis}) {}
+
+  /// @brief Resumes from a saved state.
+  /// @throws error(errc::invalid_scalar) for invalid options; error(errc::invalid_state) for a
+  /// state these options cannot reach: a scale that is not a positive, F32-finite value ≥
+  /// min_scale, growth_tracker ≥ growth_interval, or hysteresis_left outside [1, hysteresis].
+  dynamic_loss_scale(const dynamic_loss_scale_options& options, const dynamic_loss_scale_state& state);
+
+  /// @brief The loss scale of the next window.
+  [[nodiscard]] double scale() const noexcept { return state_.scale; }
+
+  /// @brief Advances the state after a window (the rules of the class comment); returns whether
+  /// to step (`!found_non_finite`).
+  bool update(bool found_non_finite) noexcept;
+
+  [[nodiscard]] const dynamic_loss_scale_state& state() const noexcept { return state_; }
+  [[nodiscard]] const dynamic_loss_scale_options& options() const noexcept { return options_; }
+
+ private:
+  dynamic_loss_scale_options options_;
+  dynamic_loss_scale_state state_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Implementation.
+// ---------------------------------------------------------------------------------------------
+
+namespace detail {
+
+/// Positive, finite, finite and non-zero as an F32: a scale every F32 window accepts.
+inline bool valid_f32_scale(double scale) noexcept {
+  return scale > 0.0 && std::isfinite(static_cast<float>(scale)) && static_cast<float>(scale) != 0.0F;
+}
+
+}  // namespace detail
+
+inline dynamic_loss_scale::dynamic_loss_scale(const dynamic_loss_scale_options& options,
+                                              const dynamic_loss_scale_state& state)
+    : options_(options), state_(state) {
+  const auto reject = [](const char* what, double value) {
+    detail::fail(errc::invalid_scalar,
+                 std::string("dynamic loss scale: ") + what + " " + detail::number_text(value) + " is out of range.");
+  };
+  if (!detail::valid_f32_scale(options.min_scale)) reject("min_scale", options.min_scale);
+  if (!(detail::valid_f32_scale(options.init_scale) && options.init_scale >= options.min_scale)) {
+    reject("init_scale", options.init_scale);
+  }
+  if (!(options.growth_factor > 1.0 && std::isfinite(options.growth_factor))) {
+    reject("growth_factor", options.growth_factor);
+  }
+  if (!(options.backoff_factor > 0.0 && options.backoff_factor < 1.0)) reject("backoff_factor", options.backoff_factor);
+  if (options.growth_interval == 0) reject("growth_interval", 0.0);
+  if (options.hysteresis == 0) reject("hysteresis", 0.0);
+  if (!(detail::valid_f32_scale(state.scale) && state.scale >= options.min_scale) ||
+      state.growth_tracker >= options.growth_interval || state.hysteresis_left == 0 ||
+      state.hysteresis_left > options.hysteresis) {
+    detail::fail(errc::invalid_state, "dynamic loss scale state (scale " + detail::number_text(state.scale) +
+                                          ", growth_tracker " + std::to_string(state.growth_tracker) +
+                                          ", hysteresis_left " + std::to_string(state.hysteresis_left) +
+                                          ") cannot be reached with these options.");
+  }
+}
+
+inline bool dynamic_loss_scale::update(bool found_non_finite) noexcept {
+  if (found_non_finite) {
+    state_.growth_tracker = 0;
+    if (state_.hysteresis_left > 1) {
+      --state_.hysteresis_left;
+    } else {
+      state_.scale = std::max(state_.scale * options_.backoff_factor, options_.min_scale);
+    }
+    return false;
+  }
+  if (++state_.growth_tracker == options_.growth_interval) {
+    state_.growth_tracker = 0;
+    state_.hysteresis_left = options_.hysteresis;
+    const double grown = state_.scale * options_.growth_factor;
+    if (std::isfinite(static_cast<float>(grown))) state_.scale = grown;
+  }
+  return true;
+}
+
+}  // namespace gradaccum

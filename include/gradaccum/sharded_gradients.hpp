@@ -1,0 +1,156 @@
+#pragma once
+/// @file
+/// @brief `sharded_gradients<B>`: one rank's contiguous shard of a reduced window, as
+/// `reduce_scatter_mean` (`<gradaccum/mpi.hpp>`) hands it out, with the map from the shard's
+/// elements to parameters, for an optimizer that updates only its shard (ZeRO / FSDP style).
+///
+/// @code
+/// auto shard = gradaccum::reduce_scatter_mean(params, window.finish_sums(), comm);
+/// std::span<float> g = shard.values<float>();          // elements [begin(), begin() + size())
+/// for (const gradaccum::shard_piece& p : shard.pieces())  // present parameters in the shard
+///   step(p.id, p.parameter_offset, g.subspan(p.offset, p.size));
+/// @endcode
+///
+/// The full window's buffer (`flat_gradients`, laid out by `flat_layout`) is cut into `ranks`
+/// shards of equal size, a whole number of `norm_block_elements` blocks each (so a sharded
+/// `global_norm` has the full one's bits), rank r holding elements [r · size, (r + 1) · size).
+/// A parameter may span two or more shards; the last shards may reach past the buffer's end,
+/// where they hold zeros (as absent parameters and padding do).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/flat_gradients.hpp"
+#include "gradaccum/global_norm.hpp"
+#include "gradaccum/records.hpp"
+
+namespace gradaccum {
+
+/// @brief Where shard `rank` of `ranks` lies in a buffer of `elements` (see the file comment).
+struct shard_range {
+  std::size_t begin = 0;   ///< first element of the buffer in the shard
+  std::size_t size = 0;    ///< elements of every shard: ⌈⌈elements / block⌉ / ranks⌉ · block
+  std::size_t stored = 0;  ///< of them inside the buffer: min(size, elements − begin), or 0
+
+  friend bool operator==(const shard_range&, const shard_range&) = default;
+};
+
+/// @brief Shard `rank` of `ranks` (rank < ranks) of a buffer of `elements` elements.
+[[nodiscard]] constexpr shard_range shard_of(std::size_t elements, std::size_t rank, std::size_t ranks) noexcept {
+  const std::size_t blocks = (elements + norm_block_elements - 1) / norm_block_elements;
+  const std::size_t size = (blocks + ranks - 1) / ranks * norm_block_elements;
+  const std::size_t begin = rank * size;
+  return {begin, size, begin < elements ? std::min(size, elements - begin) : 0};
+}
+
+/// @brief The part of one present parameter that lies in a shard.
+struct shard_piece {
+  std::string_view id;
+  std::size_t position = 0;          ///< in the layout
+  std::size_t offset = 0;            ///< first element in the shard's values
+  std::size_t parameter_offset = 0;  ///< the same element's row-major index in the parameter
+  std::size_t size = 0;              ///< elements
+};
+
+namespace detail {
+/// Builds a `sharded_gradients` (the MPI reduction, `<gradaccum/mpi.hpp>`).
+struct shard_access;
+}  // namespace detail
+
+/// @brief One rank's shard of a reduced window (see the file comment). Move-only: it owns
+/// 1/ranks of the window's buffer.
+template <class B>
+class sharded_gradients {
+ public:
+  sharded_gradients() = default;
+  sharded_gradients(sharded_gradients&&) noexcept = default;
+  sharded_gradients& operator=(sharded_gradients&&) noexcept = default;
+  sharded_gradients(const sharded_gradients&) = delete;
+  sharded_gradients& operator=(const sharded_gradients&) = delete;
+  ~sharded_gradients() = default;
+
+  /// @brief The global state of the reduced windows (as `allreduce_mean`'s result has it).
+  [[nodiscard]] const weighted_accumulation_state& state() const noexcept { return state_; }
+  [[nodiscard]] float_dtype dtype() const noexcept { return state_.dtype; }
+  /// @brief Whether some rank's sums held a NaN or an infinity before the reduction; the same on
+  /// every rank. A sum that overflows only across ranks shows in `global_norm(shard, comm)`.
+  [[nodiscard]] bool found_non_finite() const noexcept { return found_non_finite_; }
+
+  /// @brief This shard's place in the window's buffer.
+  [[nodiscard]] const shard_range& range() const noexcept { return range_; }
+  /// @brief The shard's `range().size` values, of element type W (else empty).
+  template <class W>
+  [[nodiscard]] std::span<const W> values() const noexcept {
+    if (!storage_ || dtype_of<W> != storage_->dtype) return {};
+    return {storage_->data<W>(), storage_->elements};
+  }
+  /// @brief Mutable values, for in-place steps (clipping).
+  template <class W>
+  [[nodiscard]] std::span<W> values() noexcept {
+    if (!storage_ || dtype_of<W> != storage_->dtype) return {};
+    return {storage_->data<W>(), storage_->elements};
+  }
+
+  /// @brief The layout of the whole window (every parameter, present or not); null when empty.
+  [[nodiscard]] const flat_layout<B>* layout() const noexcept { return layout_.get(); }
+  /// @brief Whether the parameter at `position` of `layout()` is present (on any rank).
+  [[nodiscard]] bool is_present(std::size_t position) const noexcept {
+    return storage_ && position < storage_->present.size() && storage_->present[position] != 0;
+  }
+  /// @brief The present parameters' parts in this shard, in parameter order.
+  [[nodiscard]] std::span<const shard_piece> pieces() const noexcept { return pieces_; }
+
+ private:
+  friend struct detail::shard_access;
+
+  std::shared_ptr<const flat_layout<B>> layout_;
+  std::shared_ptr<detail::flat_storage> storage_;  // range_.size values; presence per layout position
+  std::vector<shard_piece> pieces_;
+  weighted_accumulation_state state_;
+  shard_range range_;
+  bool found_non_finite_ = false;
+};
+
+namespace detail {
+
+struct shard_access {
+  /// `storage` holds the shard's values (`range.size` of them) and the agreed presence.
+  template <class B>
+  [[nodiscard]] static sharded_gradients<B> make(std::shared_ptr<const flat_layout<B>> layout,
+                                                 std::shared_ptr<flat_storage> storage, std::vector<shard_piece> pieces,
+                                                 const weighted_accumulation_state& state, const shard_range& range,
+                                                 bool found_non_finite) noexcept {
+    sharded_gradients<B> shard;
+    shard.layout_ = std::move(layout);
+    shard.storage_ = std::move(storage);
+    shard.pieces_ = std::move(pieces);
+    shard.state_ = state;
+    shard.range_ = range;
+    shard.found_non_finite_ = found_non_finite;
+    return shard;
+  }
+
+  /// The present parameters' parts in `range`, in parameter order.
+  template <class B>
+  static void pieces_in(const flat_layout<B>& layout, const std::vector<std::uint8_t>& present,
+                        const shard_range& range, std::vector<shard_piece>& out) {
+    const std::size_t end = range.begin + range.stored;
+    for (std::size_t position = 0; position < layout.size(); ++position) {
+      const flat_segment<B>& s = layout[position];
+      const std::size_t first = std::max(s.offset, range.begin);
+      const std::size_t last = std::min(s.offset + s.size, end);
+      if (present[position] == 0 || first >= last) continue;
+      out.push_back({s.id, position, first - range.begin, first - s.offset, last - first});
+    }
+  }
+};
+
+}  // namespace detail
+}  // namespace gradaccum
