@@ -143,9 +143,12 @@ class gradients_params {
   template <class X>
   void insert(std::string_view id, X&& value) {
     if constexpr (detail::gradient_input<B, X>) {
-      using stored = stored_type<detail::alternative_t<B, X>>;
       // Built aside first: emplacing in place would leave the entry valueless if the copy throws.
-      value_type converted(std::in_place_type<stored>, detail::as_alternative<B>(id, std::forward<X>(value)));
+      value_type converted = detail::visit_input<B>(
+          []<class A>(A&& alternative) {
+            return value_type(std::in_place_type<stored_type<std::remove_cvref_t<A>>>, std::forward<A>(alternative));
+          },
+          detail::as_alternative<B>(id, std::forward<X>(value)));
       const std::size_t parameter =
           params_
               ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); }, converted)
