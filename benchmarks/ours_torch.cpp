@@ -4,11 +4,12 @@
 /// tensor, torch_shim.cpp). Built with g++ only: libtorch's headers do not compile as C++20
 /// with clang 14 (see backends/torch/meson.build).
 
-// Before anything that defines CHECK-like macros: c10 defines its own.
 #include <gradaccum/backends/torch.hpp>
 #include <gradaccum/gradaccum.hpp>
 
+#include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "bench_peers.hpp"
 

@@ -67,9 +67,13 @@ tensors tensors_of(const demo::token_batch& mb) {
 void backward(CharGru& model, const demo::token_batch& mb, bool mean) {
   const tensors t = tensors_of(mb);
   model->zero_grad();
-  const auto reduction = mean ? torch::kMean : torch::kSum;
-  const auto loss = torch::nn::functional::cross_entropy(
-      model(t.contexts), t.targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(reduction));
+  auto options = torch::nn::functional::CrossEntropyFuncOptions();
+  if (mean) {
+    options.reduction(torch::kMean);
+  } else {
+    options.reduction(torch::kSum);
+  }
+  const auto loss = torch::nn::functional::cross_entropy(model(t.contexts), t.targets, options);
   (mean ? loss : loss * loss_scale).backward();
 }
 
@@ -88,7 +92,8 @@ torch::Tensor flat_grads(const torch::OrderedDict<std::string, torch::Tensor>& n
   std::vector<torch::Tensor> parts;
   for (const auto& item : named) {
     const auto& g = item.value().grad();
-    parts.push_back(g.defined() ? g.to(torch::kDouble).flatten() : torch::zeros({item.value().numel()}, torch::kDouble));
+    parts.push_back(g.defined() ? g.to(torch::kDouble).flatten()
+                                : torch::zeros({item.value().numel()}, torch::kDouble));
   }
   return torch::cat(parts);
 }
@@ -131,7 +136,8 @@ int main(int argc, char** argv) {
     const demo::window w = stream.next();
     accumulator window(gradaccum::float_dtype::f32, loss_scale);
     std::vector<std::size_t> mine;
-    for (std::size_t i = static_cast<std::size_t>(rank); i < w.microbatches.size(); i += static_cast<std::size_t>(ranks))
+    for (std::size_t i = static_cast<std::size_t>(rank); i < w.microbatches.size();
+         i += static_cast<std::size_t>(ranks))
       mine.push_back(i);
     for (std::size_t k = 0; k < mine.size(); ++k) {
       backward(model, w.microbatches[mine[k]], /*mean=*/false);
@@ -192,12 +198,12 @@ int main(int argc, char** argv) {
 
     if (step == 0 || step + 1 == steps) {
       const tensors all = tensors_of(w.merged());
-      const double loss =
-          torch::nn::functional::cross_entropy(model(all.contexts), all.targets).item<double>();
+      const double loss = torch::nn::functional::cross_entropy(model(all.contexts), all.targets).item<double>();
       if (root) std::printf("step %2d: loss %.4f on the window just stepped on\n", step, loss);
     }
   }
-  for (const std::string& failure : failures) std::fprintf(stderr, "rank %d: check failed: %s\n", rank, failure.c_str());
+  for (const std::string& failure : failures)
+    std::fprintf(stderr, "rank %d: check failed: %s\n", rank, failure.c_str());
   int failed = failures.empty() ? 0 : 1;
   MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (root) std::printf("%s\n", failed ? "torch_char_lm: FAILED" : "torch_char_lm: all checks passed");

@@ -99,7 +99,7 @@ struct backend_fixture<torch_backend> {
 
 /// @brief Every backend the conformance suite runs against (for `TEST_CASE_TEMPLATE`); each
 /// optional backend's entry is empty when its dependency was not found.
-#define GRADACCUM_TEST_BACKENDS \
+#define GRADACCUM_TEST_BACKENDS                                                               \
   gradaccum::test::vector_backend GRADACCUM_TEST_EIGEN_BACKEND GRADACCUM_TEST_XTENSOR_BACKEND \
       GRADACCUM_TEST_TORCH_BACKEND
 

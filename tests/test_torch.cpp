@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include <cereal/archives/binary.hpp>
 #include <doctest/doctest.h>
+#include <cereal/archives/binary.hpp>
 #if __has_include(<xtensor/containers/xadapt.hpp>)
 #include <xtensor/containers/xadapt.hpp>
 #else
@@ -143,9 +143,9 @@ TEST_CASE("non-contiguous tensors (transpose, strided slice, expand, offset) rea
   const at::Tensor wide = torch::arange(1, 25, torch::kFloat).reshape({3, 8});
   const at::Tensor row = torch::tensor({1.0F, -2.0F, 3.0F, -4.0F});
   const at::Tensor inputs[] = {
-      base.t(),                              // column-major 3 x 4
-      wide.slice(/*dim=*/1, 0, 8, /*step=*/2),  // every other column
-      row.expand({3, 4}),                    // stride 0
+      base.t(),                                                             // column-major 3 x 4
+      wide.slice(/*dim=*/1, 0, 8, /*step=*/2),                              // every other column
+      row.expand({3, 4}),                                                   // stride 0
       wide.narrow(0, 1, 2).narrow(1, 2, 4).repeat({2, 1}).narrow(0, 1, 3),  // storage offset
   };
   parameter_set<B> params;
@@ -289,8 +289,9 @@ TEST_CASE("a checkpoint saved with torch restores into Eigen and xtensor, and ba
     resumed.load_record(params, other);
     feed(resumed, 2);
     GRADACCUM_CHECK_SAME_BITS(resumed.try_to_record(), uninterrupted.try_to_record());
-    GRADACCUM_CHECK_SAME_BITS(resumed.finish_mean(params).gradients.to_record(),
-                              weighted_gradients_accumulator<B>(uninterrupted).finish_mean(params).gradients.to_record());
+    GRADACCUM_CHECK_SAME_BITS(
+        resumed.finish_mean(params).gradients.to_record(),
+        weighted_gradients_accumulator<B>(uninterrupted).finish_mean(params).gradients.to_record());
   }
 }
 

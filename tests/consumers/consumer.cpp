@@ -69,8 +69,9 @@ int main() {
   std::cout << "xtensor " << xtensor_gradient << '\n';
 #endif
 #if GRADACCUM_CONSUMER_TORCH
-  const float torch_gradient =
-      full_batch_gradient<gradaccum::torch_backend>([](float value) { return at::full({2, 3}, value); });
+  const float torch_gradient = full_batch_gradient<gradaccum::torch_backend>([](float value) {
+    return at::full({2, 3}, value);
+  });
   std::cout << "torch " << torch_gradient << '\n';
 #endif
 #if GRADACCUM_CONSUMER_MPI

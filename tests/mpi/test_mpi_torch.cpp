@@ -51,8 +51,7 @@ gradaccum::parameter_set<B> parameters() {
   return params;
 }
 
-TEST_CASE_TEMPLATE("allreduce_mean of torch gradients equals one process accumulating every rank's", W, float,
-                   double) {
+TEST_CASE_TEMPLATE("allreduce_mean of torch gradients equals one process accumulating every rank's", W, float, double) {
   INFO("rank " << world_rank << " of " << world_size);
   const auto params = parameters();
   gradaccum::weighted_gradients_accumulator<B> mine(gradaccum::dtype_of<W>, 8.0);
@@ -74,7 +73,8 @@ TEST_CASE_TEMPLATE("allreduce_mean of torch gradients equals one process accumul
   const at::Tensor w_grad = named["w"].grad().contiguous();
   const auto w_values = mean.gradients.template values<W>("w");
   bool same = true;
-  for (std::size_t i = 0; i < w_values.size(); ++i) same &= w_grad.data_ptr<float>()[i] == static_cast<float>(w_values[i]);
+  for (std::size_t i = 0; i < w_values.size(); ++i)
+    same &= w_grad.data_ptr<float>()[i] == static_cast<float>(w_values[i]);
   CHECK(same);
   CHECK((named["b"].grad().scalar_type() == at::kBFloat16));
 }
