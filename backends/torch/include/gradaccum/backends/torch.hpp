@@ -50,6 +50,7 @@
 #include <unordered_set>
 #include <utility>
 #include <variant>
+#include <vector>
 
 #include "gradaccum/backend.hpp"
 #include "gradaccum/dtype.hpp"
