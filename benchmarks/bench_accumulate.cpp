@@ -90,6 +90,7 @@ void register_case(const accumulate_case& c) {
   register_xtensor_native(c);
   register_torch_accumulate(c);
   register_ours_accumulate(c);
+  register_ours_torch_accumulate(c);
 }
 
 }  // namespace

@@ -60,5 +60,6 @@ int main(int argc, char** argv) {
                   [c](benchmark::State& s) { ga_bench::hand_per_tensor(s, c); });
     ga_bench::register_torch_many_small(c);
     ga_bench::register_ours_many_small(c);
+    ga_bench::register_ours_torch_many_small(c);
   });
 }

@@ -14,10 +14,11 @@ namespace ga_bench {
 void init_peers();
 
 // accumulate (bench_accumulate)
-void register_eigen_native(const accumulate_case& c);      // peers_eigen.cpp
-void register_xtensor_native(const accumulate_case& c);    // peers_xtensor.cpp
-void register_torch_accumulate(const accumulate_case& c);  // peers_torch.cpp
-void register_ours_accumulate(const accumulate_case& c);   // ours.cpp
+void register_eigen_native(const accumulate_case& c);           // peers_eigen.cpp
+void register_xtensor_native(const accumulate_case& c);         // peers_xtensor.cpp
+void register_torch_accumulate(const accumulate_case& c);       // peers_torch.cpp
+void register_ours_accumulate(const accumulate_case& c);        // ours.cpp
+void register_ours_torch_accumulate(const accumulate_case& c);  // ours_torch.cpp (g++ only)
 
 /// Many small parameters (bench_many_small): `count` tensors of `elements` floats each.
 struct many_small_case {
@@ -29,8 +30,9 @@ struct many_small_case {
   }
   [[nodiscard]] std::size_t bytes() const noexcept { return count * elements * sizeof(float); }
 };
-void register_torch_many_small(const many_small_case& c);  // peers_torch.cpp
-void register_ours_many_small(const many_small_case& c);   // ours.cpp
+void register_torch_many_small(const many_small_case& c);       // peers_torch.cpp
+void register_ours_many_small(const many_small_case& c);        // ours.cpp
+void register_ours_torch_many_small(const many_small_case& c);  // ours_torch.cpp (g++ only)
 
 /// finish_mean of one pending tensor of `bytes` bytes in work dtype F64 or F32 (bench_finish).
 void register_eigen_native_finish(bool f64, std::size_t bytes);  // peers_eigen.cpp

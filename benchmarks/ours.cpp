@@ -218,6 +218,11 @@ void register_ours_many_small(const many_small_case& c) {
   });
 }
 
+#ifndef GRADACCUM_BENCH_OURS_TORCH
+void register_ours_torch_accumulate(const accumulate_case& /*c*/) {}
+void register_ours_torch_many_small(const many_small_case& /*c*/) {}
+#endif
+
 void register_ours_finish(bool f64, std::size_t bytes) {
   for_each_backend([&]<class B>() {
     const std::string name = std::string(f64 ? "finish_mean/f64/" : "finish_mean/f32/") + backend_of<B>::name;

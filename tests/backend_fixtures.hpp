@@ -25,6 +25,9 @@
 #if GRADACCUM_TEST_HAVE_EIGEN
 #include <gradaccum/backends/eigen.hpp>
 #endif
+#if GRADACCUM_TEST_HAVE_TORCH
+#include <gradaccum/backends/torch.hpp>
+#endif
 #if GRADACCUM_TEST_HAVE_XTENSOR && __has_include(<gradaccum/backends/xtensor.hpp>)
 #include <gradaccum/backends/xtensor.hpp>
 #define GRADACCUM_TEST_XTENSOR 1
@@ -78,12 +81,27 @@ struct backend_fixture<xtensor_backend> {
 #define GRADACCUM_TEST_XTENSOR_BACKEND
 #endif
 
+#if GRADACCUM_TEST_HAVE_TORCH
+/// libtorch's CPU build has no second device with values (the meta device has none, and
+/// `adapt` refuses it), so the tests of a gradient on another device do not run here;
+/// test_torch.cpp checks that a meta gradient is refused.
+template <>
+struct backend_fixture<torch_backend> {
+  static c10::Device device() noexcept { return c10::Device(c10::kCPU); }
+  static std::optional<c10::Device> other_device() noexcept { return std::nullopt; }
+};
+#define GRADACCUM_TEST_TORCH_BACKEND , gradaccum::torch_backend
+#else
+#define GRADACCUM_TEST_TORCH_BACKEND
+#endif
+
 }  // namespace gradaccum::test
 
 /// @brief Every backend the conformance suite runs against (for `TEST_CASE_TEMPLATE`); each
 /// optional backend's entry is empty when its dependency was not found.
-#define GRADACCUM_TEST_BACKENDS \
-  gradaccum::test::vector_backend GRADACCUM_TEST_EIGEN_BACKEND GRADACCUM_TEST_XTENSOR_BACKEND
+#define GRADACCUM_TEST_BACKENDS                                                               \
+  gradaccum::test::vector_backend GRADACCUM_TEST_EIGEN_BACKEND GRADACCUM_TEST_XTENSOR_BACKEND \
+      GRADACCUM_TEST_TORCH_BACKEND
 
 TYPE_TO_STRING(gradaccum::test::vector_backend);
 #if GRADACCUM_TEST_HAVE_EIGEN
@@ -91,6 +109,9 @@ TYPE_TO_STRING(gradaccum::eigen_backend);
 #endif
 #if GRADACCUM_TEST_XTENSOR
 TYPE_TO_STRING(gradaccum::xtensor_backend);
+#endif
+#if GRADACCUM_TEST_HAVE_TORCH
+TYPE_TO_STRING(gradaccum::torch_backend);
 #endif
 
 namespace gradaccum::test {

@@ -17,6 +17,11 @@
 #include <utility>
 #include <vector>
 
+// Before doctest: c10 defines a CHECK macro, which doctest's must replace.
+#if GRADACCUM_TEST_HAVE_TORCH
+#include <gradaccum/backends/torch.hpp>
+#endif
+
 #include <doctest/doctest.h>
 
 #include <gradaccum/gradaccum.hpp>
@@ -85,7 +90,7 @@ TEST_CASE_TEMPLATE("parameter_set keeps parameters in order and counts a tied pa
       CHECK(params[0].device == backend_fixture<B>::device());
     }
   }
-  if constexpr (detail::has_views<B>) {
+  if constexpr (gradaccum::detail::has_views<B>) {
     SUBCASE("a parameter can be added from a view of caller memory") {
       const auto storage = filled<B, float>(shape_b, 2.0);
       CHECK(params.add("viewed", backend_fixture<B>::view_of(storage)) == 2);
@@ -127,7 +132,7 @@ TEST_CASE_TEMPLATE("gradients_params holds present gradients of any element type
       CHECK(grads.template get<T>("h") != nullptr);
     });
   }
-  if constexpr (detail::has_views<B>) {
+  if constexpr (gradaccum::detail::has_views<B>) {
     SUBCASE("a view is held as a view: visible to find_value, not to get<T>") {
       const auto storage = make_tensor<B, float>(shape_a, {1, 2, 3, 4, 5, 6});
       grads.insert("v", backend_fixture<B>::view_of(storage));
@@ -785,7 +790,7 @@ TEST_CASE_TEMPLATE("gradients_accumulator sums in a work dtype", B, GRADACCUM_TE
 // Views
 
 TEST_CASE_TEMPLATE("gradients viewed in caller memory accumulate exactly like owned ones", B, GRADACCUM_TEST_BACKENDS) {
-  if constexpr (detail::has_views<B>) {
+  if constexpr (gradaccum::detail::has_views<B>) {
     const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
     const auto a = make_tensor<B, float>(shape_a, {0.1, 0.2, 0.3, 0.4, 0.5, 0.6});
     const auto b = make_tensor<B, double>(shape_b, {-0.1, -0.2, -0.3, -0.4, -0.5, -0.6});
@@ -852,7 +857,7 @@ TEST_CASE_TEMPLATE("a gradients_params reused across microbatches is checked in 
   CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 13)));
   CHECK(values_of<float>(acc.pending(), "b") == as<float>(multiples(shape_b, 302)));
 
-  if constexpr (detail::has_views<B>) {
+  if constexpr (gradaccum::detail::has_views<B>) {
     // A re-seated view, another parameter set or a repeated refused call is checked again.
     const auto good = make_tensor<B, float>(shape_a, multiples(shape_a, 1));
     const auto misshapen = make_tensor<B, float>(shape_b, multiples(shape_b, 1));
@@ -877,7 +882,7 @@ TEST_CASE_TEMPLATE("a gradients_params reused across microbatches is checked in 
 
 TEST_CASE_TEMPLATE("calls repeated with unchanged views add into the right tensors after every change", B,
                    GRADACCUM_TEST_BACKENDS) {
-  if constexpr (detail::has_views<B>) {
+  if constexpr (gradaccum::detail::has_views<B>) {
     // An accumulator skips checking views (of a backend whose views keep their geometry) that
     // did not change since the last call: re-seated views, a copy of the gradients, a copy of
     // the accumulator, new pending tensors and a work dtype change must each be followed.

@@ -144,40 +144,8 @@ class gradients_params {
   template <class X>
   void insert(std::string_view id, X&& value) {
     if constexpr (detail::gradient_input<B, X>) {
-      using stored = stored_type<detail::alternative_t<B, X>>;
-      const auto position = find(id);
-      if constexpr (!std::is_same_v<stored, detail::alternative_t<B, X>>) {
-        if (position) {  // a view re-seats its slot: nothing allocates
-          value_type replacement(std::in_place_type<stored>, detail::as_alternative<B>(id, std::forward<X>(value)));
-          const std::size_t parameter =
-              params_ ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); },
-                                               replacement)
-                      : 0;
-          entries_[*position].value = std::move(replacement);
-          entries_[*position].position = parameter;
-          return;
-        }
-      }
-      reserve(entries_.size() + 1);  // a spare node: for a new entry, or beside the one replaced
-      const auto construct = [&](void* node) {
-        auto&& converted = detail::as_alternative<B>(id, std::forward<X>(value));
-        entry* made = construct_entry<stored>(node, std::string(id), std::forward<decltype(converted)>(converted));
-        if (params_) {
-          try {
-            made->position =
-                detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); }, made->value);
-          } catch (...) {
-            std::destroy_at(made);
-            throw;
-          }
-        }
-      };
-      if (position) {
-        entries_.replace_with(*position, construct);  // the old entry stays whole if this throws
-        return;
-      }
-      entries_.emplace_back_with(construct);
-      index_.insert(entries_.size() - 1, entries_.back().id);
+      detail::visit_input<B>([&]<class A>(A&& alternative) { insert_alternative(id, std::forward<A>(alternative)); },
+                             detail::as_alternative<B>(id, std::forward<X>(value)));
     } else {
       detail::reject_input<B, X>();
     }
@@ -298,6 +266,44 @@ class gradients_params {
 
   auto key_of() const noexcept {
     return [this](std::size_t position) -> std::string_view { return entries_[position].id; };
+  }
+
+  /// Stores one tensor or view of B under `id` (see `insert`), with the strong guarantee.
+  template <class A>
+  void insert_alternative(std::string_view id, A&& value) {
+    using stored = stored_type<std::remove_cvref_t<A>>;
+    const auto position = find(id);
+    if constexpr (!std::is_same_v<stored, std::remove_cvref_t<A>>) {
+      if (position) {  // a view re-seats its slot: nothing allocates
+        value_type replacement(std::in_place_type<stored>, std::forward<A>(value));
+        const std::size_t parameter =
+            params_ ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); },
+                                             replacement)
+                    : 0;
+        entries_[*position].value = std::move(replacement);
+        entries_[*position].position = parameter;
+        return;
+      }
+    }
+    reserve(entries_.size() + 1);  // a spare node: for a new entry, or beside the one replaced
+    const auto construct = [&](void* node) {
+      entry* made = construct_entry<stored>(node, std::string(id), std::forward<A>(value));
+      if (params_) {
+        try {
+          made->position =
+              detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); }, made->value);
+        } catch (...) {
+          std::destroy_at(made);
+          throw;
+        }
+      }
+    };
+    if (position) {
+      entries_.replace_with(*position, construct);  // the old entry stays whole if this throws
+      return;
+    }
+    entries_.emplace_back_with(construct);
+    index_.insert(entries_.size() - 1, entries_.back().id);
   }
 
   void reserve(std::size_t count) {

@@ -68,8 +68,9 @@ class parameter_set {
     // Only its geometry is read, now, so even a temporary is viewed (an lvalue) rather than
     // copied: a temporary Eigen::VectorXf is [n] like a variable, not the n x 1 matrix of a copy.
     if constexpr (detail::gradient_input<B, const std::remove_reference_t<X>&>) {
-      const auto& input = detail::as_alternative<B>(id, std::as_const(tensor));
-      return add(id, detail::shape_of<B>(input, id), B::device(input));
+      return detail::visit_input<B>(
+          [&](const auto& input) { return add(id, detail::shape_of<B>(input, id), B::device(input)); },
+          detail::as_alternative<B>(id, std::as_const(tensor)));
     } else {
       detail::reject_input<B, X>();
       return 0;

@@ -1,6 +1,9 @@
 // A program written against an installed gradaccum, built by every consumer project here
 // (CMake find_package, pkg-config, Meson subproject). Each optional component the build system
 // found is switched on with GRADACCUM_CONSUMER_<COMPONENT>=1 and must then compile, link and run.
+#if GRADACCUM_CONSUMER_TORCH
+#include <gradaccum/backends/torch.hpp>
+#endif
 #include <gradaccum/backends/eigen.hpp>
 #include <gradaccum/gradaccum.hpp>
 #if GRADACCUM_CONSUMER_XTENSOR
@@ -49,7 +52,7 @@ float full_batch_gradient(Filled filled) {
 #if GRADACCUM_CONSUMER_CEREAL
   std::cout << "cereal round trip " << round_trips(window.try_to_record()) << '\n';
 #endif
-  return window.finish_mean(params).gradients.template get<float>("w")->data()[0];
+  return window.finish_mean(params).gradients.template values<float>("w")[0];
 }
 
 int main() {
@@ -64,6 +67,12 @@ int main() {
     return filled;
   });
   std::cout << "xtensor " << xtensor_gradient << '\n';
+#endif
+#if GRADACCUM_CONSUMER_TORCH
+  const float torch_gradient = full_batch_gradient<gradaccum::torch_backend>([](float value) {
+    return at::full({2, 3}, value);
+  });
+  std::cout << "torch " << torch_gradient << '\n';
 #endif
 #if GRADACCUM_CONSUMER_MPI
   // Linking is what is checked; MPI_Initialized may be called before MPI_Init, without mpirun.

@@ -27,9 +27,12 @@ COMPONENT_OF_PREFIX = {
     "rapidjson/": "cereal",  # Debian's cereal uses the system rapidjson
     "xxhash.h": "cereal",  # checkpoint checksums (libxxhash, header-only)
     "mpi.h": "mpi",
+    "ATen/": "torch",
+    "c10/": "torch",
+    "torch/": "torch",
 }
 # Components that are tensor backends, each with its own folder under backends/.
-BACKENDS = {"eigen", "xtensor"}
+BACKENDS = {"eigen", "xtensor", "torch"}
 # Always available: POSIX headers (atomic checkpoint files), omp.h, which is included only
 # under `#if defined(_OPENMP)` and so needs nothing when OpenMP is off, and immintrin.h, the
 # compiler's own, included only under `#ifdef __F16C__`.

@@ -6,7 +6,9 @@
 ///
 /// 1. a `tensor<T>` or `view<T>` of B, as it is;
 /// 2. what the backend's optional `static auto adapt(X&&)` returns (its own library's objects:
-///    blocks, other layouts, expressions);
+///    blocks, other layouts, expressions). A library whose tensors carry their element type at
+///    run time (libtorch) returns a `std::variant` of B's tensors or views instead: the element
+///    type is chosen once, here, and stored as that alternative;
 /// 3. for an lvalue, a `view<T>` it converts to (read in place); then a `tensor<T>` it converts
 ///    to (a derived type, an expression the tensor type is built from; evaluated here). An
 ///    rvalue tries the tensor first: a view of a temporary would dangle.
@@ -19,6 +21,7 @@
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <variant>
 
 #include "gradaccum/backend.hpp"
 #include "gradaccum/detail/variant.hpp"
@@ -63,6 +66,20 @@ concept has_adapt = requires(X&& x) {
   { B::adapt(std::forward<X>(x)) } -> alternative_of<B>;
 };
 
+template <class V, class B>
+struct runtime_choice : std::false_type {};
+template <class B, class... As>
+struct runtime_choice<std::variant<As...>, B> : std::bool_constant<(is_gradient_alternative<B, As> && ...)> {};
+
+/// A `std::variant` of B's tensors or views: the alternative chosen at run time (rule 2).
+template <class A, class B>
+concept runtime_alternative_of = runtime_choice<A, B>::value;
+
+template <class B, class X>
+concept has_runtime_adapt = requires(X&& x) {
+  { B::adapt(std::forward<X>(x)) } -> runtime_alternative_of<B>;
+};
+
 template <class B, class T, bool View>
 struct target_type {
   using type = typename B::template tensor<T>;
@@ -101,7 +118,8 @@ using converted_type =
 
 /// @brief Whether `X` (a forwarding reference type) can be a parameter or gradient of B.
 template <class B, class X>
-concept gradient_input = is_gradient_alternative<B, X> || has_adapt<B, X> || !std::is_void_v<converted_type<B, X>>;
+concept gradient_input = is_gradient_alternative<B, X> || has_adapt<B, X> || has_runtime_adapt<B, X> ||
+                         !std::is_void_v<converted_type<B, X>>;
 
 /// The tensor or view that `x` goes in as (see the file comment).
 template <class B, class X>
@@ -109,24 +127,36 @@ template <class B, class X>
 decltype(auto) to_alternative(X&& x) {
   if constexpr (is_gradient_alternative<B, X>) {
     return std::forward<X>(x);
-  } else if constexpr (has_adapt<B, X>) {
+  } else if constexpr (has_adapt<B, X> || has_runtime_adapt<B, X>) {
     return B::adapt(std::forward<X>(x));
   } else {
     return converted_type<B, X>(std::forward<X>(x));
   }
 }
 
-/// `to_alternative`, with a shape the backend cannot represent (a rank above `max_rank`) reported
-/// as `parameter_mismatch` naming `id`.
+/// `to_alternative`, with the backend's refusals named after `id`: a shape it cannot represent (a
+/// rank above `max_rank`) as `parameter_mismatch`, any other error that names no parameter
+/// (an element type `adapt` refuses, say) with its own code.
 template <class B, class X>
   requires gradient_input<B, X>
 decltype(auto) as_alternative(std::string_view id, X&& x) {
   try {
     return to_alternative<B>(std::forward<X>(x));
   } catch (const error& problem) {
-    if (problem.code() != errc::invalid_record) throw;
-    fail(errc::parameter_mismatch, "tensor '" + std::string(id) + "' cannot be used: " + problem.what(),
-         std::string(id));
+    if (problem.code() != errc::invalid_record && !problem.param_id().empty()) throw;
+    fail(problem.code() == errc::invalid_record ? errc::parameter_mismatch : problem.code(),
+         "tensor '" + std::string(id) + "' cannot be used: " + problem.what(), std::string(id));
+  }
+}
+
+/// Calls `f` with the tensor or view `input` is: itself, or the alternative a run-time `adapt`
+/// chose (rule 2).
+template <class B, class F, class A>
+decltype(auto) visit_input(F&& f, A&& input) {
+  if constexpr (runtime_alternative_of<std::remove_cvref_t<A>, B>) {
+    return std::visit(std::forward<F>(f), std::forward<A>(input));
+  } else {
+    return std::forward<F>(f)(std::forward<A>(input));
   }
 }
 

@@ -1,0 +1,315 @@
+#pragma once
+/// @file
+/// @brief libtorch backend: `gradaccum::torch_backend`, and helpers that take a module's
+/// `named_parameters()` and their `.grad()` directly.
+///
+/// libtorch already gives tensors of every dtype on every device, with any strides (transposes,
+/// slices, `expand`), a module's parameters by name, and optimizers that step on each
+/// parameter's `.grad()`. It carries the element type at run time, where gradaccum's contract
+/// is typed (`B::tensor<T>`). This header adds:
+/// - `torch_backend`: a `torch::Tensor` goes in as it is (`params.add(name, p)`,
+///   `grads.insert(name, p.grad())`); `adapt` reads its `scalar_type()` once, at insert, and
+///   stores it as the typed handle `torch_tensor<T>` for T in `c10::Half`, `c10::BFloat16`,
+///   `float`, `double`. Nothing is copied: the handle shares the caller's storage.
+/// - `torch_parameters`, `torch_gradients`, `write_gradients`: a module's `named_parameters()`
+///   in, a finished mean back into the parameters' `.grad()`, for a `torch::optim` step.
+///
+/// Arithmetic: the library's kernels on CPU memory, through the tensor's strides, so results are
+/// bit-identical to the Eigen and xtensor backends. Not ATen's `add_(g, alpha)`, which fuses the
+/// multiply into the add (one rounding; the contract rounds twice). A gradient on another device
+/// is copied to the host as it is (its own dtype, exact) and then added by the same kernels,
+/// because the window's buffer is host memory.
+///
+/// @code
+/// auto named = model->named_parameters();
+/// auto params = gradaccum::torch_parameters(named);                 // once
+/// gradaccum::weighted_gradients_accumulator<gradaccum::torch_backend> window(gradaccum::float_dtype::f32, 1.0);
+/// for (const auto& batch : microbatches) {
+///   optimizer.zero_grad();
+///   loss_sum(*model, batch).backward();
+///   window.accumulate_sum(params, gradaccum::torch_gradients(named), batch.tokens);
+/// }
+/// gradaccum::write_gradients(named, window.finish_mean(params).gradients);
+/// optimizer.step();
+/// @endcode
+///
+/// Needs libtorch (tested with 1.13) and a compiler that builds its headers as C++20: g++ does,
+/// clang 14 with libstdc++ 12 does not.
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/ordered_dict.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <unordered_set>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "gradaccum/backend.hpp"
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
+#include "gradaccum/flat_gradients.hpp"
+#include "gradaccum/gradients_params.hpp"
+#include "gradaccum/parameter_set.hpp"
+#include "gradaccum/shape.hpp"
+#include "gradaccum/strided_view.hpp"
+#include "gradaccum/type_list.hpp"
+
+namespace gradaccum {
+
+template <>
+struct element_dtype<c10::Half> {
+  static constexpr float_dtype value = float_dtype::f16;
+};
+template <>
+struct element_dtype<c10::BFloat16> {
+  static constexpr float_dtype value = float_dtype::bf16;
+};
+
+/// @brief A `torch::Tensor` whose dtype is T's (`c10::Half`, `c10::BFloat16`, `float`,
+/// `double`): the typed form the library stores. A handle, like the tensor itself: copying it
+/// shares the storage; any device, any strides.
+template <class T>
+class torch_tensor {
+ public:
+  /// @throws error(errc::invalid_dtype) unless `value` is a defined, strided tensor of T's dtype.
+  explicit torch_tensor(at::Tensor value);
+
+  /// @brief The tensor, as the caller gave it.
+  [[nodiscard]] const at::Tensor& tensor() const noexcept { return value_; }
+
+ private:
+  at::Tensor value_;
+};
+
+/// @brief Traits that adapt `torch::Tensor`s to `serializable_backend` (see the file comment).
+///
+/// Devices are `c10::Device`s: a gradient must be on its parameter's device. A tensor is read
+/// where it is when it lives on the CPU (the storage must outlive the accumulation call, as a
+/// module's parameters and gradients do), else copied to the host first. Results (`map`) are CPU
+/// tensors viewing the window's buffer; `write_gradients` copies them to each parameter's device
+/// and dtype. Records hold row-major values, so they restore into any other backend.
+struct torch_backend {
+  using device_type = c10::Device;
+  using element_types = type_list<c10::Half, c10::BFloat16, float, double>;
+  template <class T>
+  using tensor = torch_tensor<T>;
+
+  /// @brief What a `torch::Tensor` goes in as: the typed handle of its `scalar_type()`.
+  using input = std::variant<tensor<c10::Half>, tensor<c10::BFloat16>, tensor<float>, tensor<double>>;
+
+  /// @brief `x` as the handle of its dtype.
+  /// @throws error(errc::invalid_dtype) for a dtype other than F16, BF16, F32, F64 (integers,
+  /// complex); error(errc::parameter_mismatch) for an undefined tensor (a parameter without a
+  /// gradient is absent: do not insert it), a sparse or other non-strided layout, or a tensor
+  /// without values (the meta device).
+  static input adapt(const at::Tensor& x);
+
+  template <class T>
+  static tensor_shape shape(const tensor<T>& x);
+  template <class T>
+  static device_type device(const tensor<T>& x) noexcept {
+    return x.tensor().device();
+  }
+
+  /// acc (row-major) += scale · W(g) through g's strides. A gradient off the CPU is copied to the
+  /// host first; that copy allocates, and a failed allocation here terminates (noexcept).
+  template <class W, class T>
+  static void add_scaled(std::span<W> acc, const tensor<T>& g, W scale) noexcept;
+
+  /// A CPU tensor of dtype W viewing the row-major `values` (not a copy; do not write through it).
+  template <class W>
+  static at::Tensor map(std::span<const W> values, const tensor_shape& s, const device_type& device);
+
+  /// An owned, contiguous copy in element type W, on the tensor's device.
+  template <class W, class T>
+  static tensor<W> convert(const tensor<T>& x);
+
+  template <class T>
+  static void to_row_major(const tensor<T>& t, std::span<T> out);
+
+  template <class T>
+  static tensor<T> from_row_major(std::span<const T> values, const tensor_shape& s, const device_type& device);
+};
+
+/// @brief The trainable parameters of `named` (`model->named_parameters()`), in its order: those
+/// with `requires_grad()`. A tied parameter (one tensor under two names) is added once, under
+/// its first name.
+/// @throws the errors of `parameter_set::add`, and those of `torch_backend::adapt`.
+parameter_set<torch_backend> torch_parameters(const torch::OrderedDict<std::string, at::Tensor>& named);
+
+/// @brief The present gradients of `named`: each trainable parameter's `.grad()` under the name
+/// `torch_parameters` gave it, read in place. An undefined `.grad()` is absent (not zero).
+gradients_params<torch_backend> torch_gradients(const torch::OrderedDict<std::string, at::Tensor>& named);
+
+/// @brief Writes `mean` into the `.grad()` of each trainable parameter of `named`, in the
+/// parameter's dtype and on its device (allocating `.grad()` where it is undefined; narrowing
+/// rounds to nearest even), so a `torch::optim` optimizer can step. A parameter absent from
+/// `mean` gets an undefined `.grad()`, which optimizers skip: a gradient left from the last
+/// backward pass must not be stepped on.
+/// @throws error(errc::parameter_mismatch) when a present id's element count differs from its
+/// parameter's (nothing is written).
+void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& named,
+                     const flat_gradients<torch_backend>& mean);
+
+// ---------------------------------------------------------------------------------------------
+// Implementation.
+
+namespace detail {
+
+template <class T>
+inline constexpr at::ScalarType torch_scalar_type = c10::CppTypeToScalarType<T>::value;
+
+/// The host tensor whose storage holds `x`'s values: `x` itself on the CPU, else a copy.
+inline at::Tensor torch_host(const at::Tensor& x) {
+  return x.is_cpu() ? x : x.to(at::kCPU);
+}
+
+/// `x`'s values on the host, as a strided view in elements (libtorch's strides are in elements).
+template <class T>
+strided_view<const T> torch_host_view(const at::Tensor& host, const tensor_shape& shape) {
+  std::array<std::ptrdiff_t, max_rank> strides{};
+  for (std::size_t axis = 0; axis < shape.rank(); ++axis) {
+    strides[axis] = static_cast<std::ptrdiff_t>(host.stride(static_cast<std::int64_t>(axis)));
+  }
+  return {static_cast<const T*>(host.data_ptr()), shape, std::span<const std::ptrdiff_t>(strides.data(), shape.rank())};
+}
+
+inline std::vector<std::int64_t> torch_sizes(const tensor_shape& s) {
+  return {s.begin(), s.end()};
+}
+
+/// The first name of each distinct trainable tensor of `named` (ties once), with the tensor.
+template <class F>
+void for_each_trainable(const torch::OrderedDict<std::string, at::Tensor>& named, F&& f) {
+  std::unordered_set<const void*> seen;
+  for (const auto& item : named) {
+    const at::Tensor& p = item.value();
+    if (!p.defined() || !p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    f(item.key(), p);
+  }
+}
+
+}  // namespace detail
+
+template <class T>
+torch_tensor<T>::torch_tensor(at::Tensor value) : value_(std::move(value)) {
+  if (!value_.defined() || value_.layout() != at::kStrided || value_.scalar_type() != detail::torch_scalar_type<T>) {
+    detail::fail(errc::invalid_dtype, "a torch_tensor<" + std::string(to_string(dtype_of<T>)) +
+                                          "> must hold a defined, strided tensor of that dtype.");
+  }
+}
+
+inline torch_backend::input torch_backend::adapt(const at::Tensor& x) {
+  if (!x.defined()) {
+    detail::fail(errc::parameter_mismatch, "the tensor is undefined (a parameter without a gradient is absent).");
+  }
+  if (x.layout() != at::kStrided) {
+    detail::fail(errc::parameter_mismatch, "only strided (dense) tensors can be accumulated, not sparse ones.");
+  }
+  if (x.is_meta()) detail::fail(errc::parameter_mismatch, "a tensor on the meta device has no values.");
+  switch (x.scalar_type()) {
+    case at::kHalf: return tensor<c10::Half>(x);
+    case at::kBFloat16: return tensor<c10::BFloat16>(x);
+    case at::kFloat: return tensor<float>(x);
+    case at::kDouble: return tensor<double>(x);
+    default:
+      detail::fail(errc::invalid_dtype, "dtype " + std::string(c10::toString(x.scalar_type())) +
+                                            " is not a gradient dtype (F16, BF16, F32 or F64).");
+  }
+}
+
+template <class T>
+tensor_shape torch_backend::shape(const tensor<T>& x) {
+  const at::IntArrayRef sizes = x.tensor().sizes();
+  return tensor_shape(std::span<const std::int64_t>(sizes.data(), sizes.size()));
+}
+
+template <class W, class T>
+void torch_backend::add_scaled(std::span<W> acc, const tensor<T>& g, W scale) noexcept {
+  const at::Tensor host = detail::torch_host(g.tensor());
+  gradaccum::add_scaled(acc, detail::torch_host_view<T>(host, shape(g)), scale);
+}
+
+template <class W>
+at::Tensor torch_backend::map(std::span<const W> values, const tensor_shape& s, const device_type& /*device*/) {
+  // from_blob takes a mutable pointer; results are handed out read-only by contract.
+  return at::from_blob(const_cast<W*>(values.data()), detail::torch_sizes(s),
+                       at::TensorOptions().dtype(detail::torch_scalar_type<W>));
+}
+
+template <class W, class T>
+torch_tensor<W> torch_backend::convert(const tensor<T>& x) {
+  const tensor_shape s = shape(x);
+  at::Tensor out = at::empty(detail::torch_sizes(s), at::TensorOptions().dtype(detail::torch_scalar_type<W>));
+  const at::Tensor host = detail::torch_host(x.tensor());
+  copy_row_major(detail::torch_host_view<T>(host, s), std::span<W>(static_cast<W*>(out.data_ptr()), out.numel()));
+  return tensor<W>(x.tensor().is_cpu() ? out : out.to(x.tensor().device()));
+}
+
+template <class T>
+void torch_backend::to_row_major(const tensor<T>& t, std::span<T> out) {
+  const at::Tensor host = detail::torch_host(t.tensor());
+  copy_row_major(detail::torch_host_view<T>(host, shape(t)), out);
+}
+
+template <class T>
+torch_tensor<T> torch_backend::from_row_major(std::span<const T> values, const tensor_shape& s,
+                                              const device_type& device) {
+  at::Tensor out = at::empty(detail::torch_sizes(s), at::TensorOptions().dtype(detail::torch_scalar_type<T>));
+  if (!values.empty()) std::memcpy(out.data_ptr(), values.data(), values.size_bytes());
+  return tensor<T>(device.is_cpu() ? out : out.to(device));
+}
+
+inline parameter_set<torch_backend> torch_parameters(const torch::OrderedDict<std::string, at::Tensor>& named) {
+  parameter_set<torch_backend> params;
+  detail::for_each_trainable(named, [&](const std::string& id, const at::Tensor& p) { params.add(id, p); });
+  return params;
+}
+
+inline gradients_params<torch_backend> torch_gradients(const torch::OrderedDict<std::string, at::Tensor>& named) {
+  gradients_params<torch_backend> grads;
+  detail::for_each_trainable(named, [&](const std::string& id, const at::Tensor& p) {
+    if (p.grad().defined()) grads.insert(id, p.grad());
+  });
+  return grads;
+}
+
+inline void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& named,
+                            const flat_gradients<torch_backend>& mean) {
+  detail::visit_work_dtype(mean.dtype(), [&]<class W>() {
+    // Checked in full before anything is written.
+    detail::for_each_trainable(named, [&](const std::string& id, const at::Tensor& p) {
+      const std::span<const W> values = mean.template values<W>(id);
+      if (!values.empty() && values.size() != static_cast<std::size_t>(p.numel())) {
+        detail::fail(errc::parameter_mismatch,
+                     "gradient '" + id + "' has " + std::to_string(values.size()) + " elements but its parameter " +
+                         std::to_string(p.numel()) + ".",
+                     id);
+      }
+    });
+    const c10::NoGradGuard no_grad;
+    detail::for_each_trainable(named, [&](const std::string& id, const at::Tensor& p) {
+      if (!mean.contains(id)) {
+        p.mutable_grad().reset();
+        return;
+      }
+      const std::span<const W> values = mean.template values<W>(id);
+      const at::Tensor host = at::from_blob(const_cast<W*>(values.data()), p.sizes(),
+                                            at::TensorOptions().dtype(detail::torch_scalar_type<W>));
+      if (!p.grad().defined()) p.mutable_grad() = at::empty_like(p, at::MemoryFormat::Contiguous);
+      p.mutable_grad().copy_(host);
+    });
+  });
+}
+
+}  // namespace gradaccum
+
+static_assert(gradaccum::serializable_backend<gradaccum::torch_backend>);

@@ -1,0 +1,390 @@
+// What only the libtorch backend promises: torch::Tensors of any dtype go in as they are (the
+// typed handle is chosen from scalar_type() at insert), non-contiguous tensors are read through
+// their strides, results agree bit for bit with the Eigen and xtensor backends, checkpoints
+// restore across the three, refusals are gradaccum errors that change nothing, and the helpers
+// take a module's named_parameters() and write a finished mean back into .grad(). The
+// accumulation contract itself runs over torch_backend in conformance.cpp.
+
+// Before doctest: c10 defines a CHECK macro, which doctest's must replace.
+#include <torch/torch.h>
+
+#include <gradaccum/backends/torch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <cereal/archives/binary.hpp>
+#if __has_include(<xtensor/containers/xadapt.hpp>)
+#include <xtensor/containers/xadapt.hpp>
+#else
+#include <xtensor/xadapt.hpp>
+#endif
+
+#include <gradaccum/backends/eigen.hpp>
+#include <gradaccum/backends/xtensor.hpp>
+#include <gradaccum/cereal.hpp>
+#include <gradaccum/gradaccum.hpp>
+
+#include "test_helpers.hpp"
+
+namespace gradaccum::test {
+namespace {
+
+using B = torch_backend;
+using eigen_matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Row-major float values of a tensor of any dtype, layout or device.
+std::vector<float> floats_of(const at::Tensor& t) {
+  const at::Tensor flat = t.to(at::kCPU).to(at::kFloat).contiguous();
+  return {flat.data_ptr<float>(), flat.data_ptr<float>() + flat.numel()};
+}
+
+/// The pending or finished values of `id` as a vector.
+template <class W>
+std::vector<W> values(const flat_gradients<B>& g, std::string_view id) {
+  const std::span<const W> v = g.template values<W>(id);
+  REQUIRE_MESSAGE(!v.empty(), "no values for '" << std::string(id) << "'");
+  return {v.begin(), v.end()};
+}
+
+/// A module with a tied weight: one tensor registered under two names, and a frozen tensor.
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() {
+    weight = register_parameter("weight", torch::ones({2, 3}));
+    register_parameter("tied_weight", weight);
+    bias = register_parameter("bias", torch::zeros({3}));
+    frozen = register_parameter("frozen", torch::zeros({4}), /*requires_grad=*/false);
+  }
+  torch::Tensor weight, bias, frozen;
+};
+TORCH_MODULE(Tied);
+
+TEST_CASE("README: a module's gradients, accumulated over microbatches, step a torch::optim optimizer") {
+  torch::manual_seed(0);
+  // --- README snippet (keep in sync with README.md "libtorch backend") ---
+  torch::nn::Linear model(3, 2);
+  torch::optim::SGD optimizer(model->parameters(), /*lr=*/0.1);
+  auto named = model->named_parameters();
+  auto params = gradaccum::torch_parameters(named);
+  gradaccum::weighted_gradients_accumulator<gradaccum::torch_backend> window(gradaccum::float_dtype::f32, 1.0);
+  for (const auto& x : {torch::randn({1, 3}), torch::randn({3, 3})}) {  // 1 token, then 3
+    optimizer.zero_grad();
+    model(x).pow(2).sum().backward();  // a loss SUM over the microbatch's tokens
+    window.accumulate_sum(params, gradaccum::torch_gradients(named), static_cast<double>(x.size(0)));
+  }
+  gradaccum::write_gradients(named, window.finish_mean(params).gradients);
+  optimizer.step();
+  // --- end of snippet ---
+  CHECK(params.size() == 2);
+  CHECK(model->weight.grad().sizes() == at::IntArrayRef{2, 3});
+  CHECK(window.state().microbatches == 0);  // finish_mean reset the window
+}
+
+TEST_CASE("the full-batch mean is written into .grad() bit for bit, and the optimizer steps on it") {
+  torch::manual_seed(1);
+  torch::nn::Linear model(3, 2);
+  const at::Tensor first = torch::randn({2, 3});
+  const at::Tensor second = torch::randn({5, 3});
+  auto named = model->named_parameters();
+  const auto params = torch_parameters(named);
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  std::vector<at::Tensor> sums;
+  for (const at::Tensor& x : {first, second}) {
+    model->zero_grad();
+    model(x).pow(2).sum().backward();
+    sums.push_back(model->weight.grad().clone());
+    window.accumulate_sum(params, torch_gradients(named), static_cast<double>(x.size(0)));
+  }
+  write_gradients(named, window.finish_mean(params).gradients);
+  // pending = (0 + 1 · g1) + 1 · g2; mean = (pending / 1) / 7, each step rounded in F32.
+  const at::Tensor expected = ((sums[0] + sums[1]) / 1.0F) / 7.0F;
+  CHECK(floats_of(model->weight.grad()) == floats_of(expected));
+
+  const at::Tensor before = model->weight.detach().clone();
+  torch::optim::SGD(model->parameters(), /*lr=*/1.0).step();
+  CHECK(floats_of(model->weight) == floats_of(before - expected));
+}
+
+TEST_CASE("a torch::Tensor goes in as the typed handle of its scalar_type, read in place") {
+  parameter_set<B> params;
+  const at::ScalarType dtypes[] = {at::kHalf, at::kBFloat16, at::kFloat, at::kDouble};
+  gradients_params<B> grads;
+  std::vector<at::Tensor> kept;
+  for (const at::ScalarType dtype : dtypes) {
+    const std::string id = std::string("p.") + c10::toString(dtype);
+    params.add(id, torch::zeros({2, 2}, dtype));
+    kept.push_back(torch::tensor({1.0, 2.0, -0.5, 4.0}, dtype).reshape({2, 2}));
+    grads.insert(id, kept.back());
+  }
+  CHECK(grads.dtype("p.Half") == float_dtype::f16);
+  CHECK(grads.dtype("p.BFloat16") == float_dtype::bf16);
+  CHECK(grads.dtype("p.Float") == float_dtype::f32);
+  CHECK(grads.dtype("p.Double") == float_dtype::f64);
+  REQUIRE(grads.get<c10::BFloat16>("p.BFloat16") != nullptr);
+  // The same storage as the caller's tensor, not a copy.
+  CHECK(grads.get<c10::BFloat16>("p.BFloat16")->tensor().data_ptr() == kept[1].data_ptr());
+
+  kept[2].mul_(2.0);  // after insert, before accumulate: the accumulator must see it
+  weighted_gradients_accumulator<B> window(float_dtype::f64, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  CHECK(values<double>(window.pending(), "p.Half") == std::vector<double>{1, 2, -0.5, 4});
+  CHECK(values<double>(window.pending(), "p.BFloat16") == std::vector<double>{1, 2, -0.5, 4});
+  CHECK(values<double>(window.pending(), "p.Float") == std::vector<double>{2, 4, -1, 8});
+  CHECK(values<double>(window.pending(), "p.Double") == std::vector<double>{1, 2, -0.5, 4});
+}
+
+TEST_CASE("non-contiguous tensors (transpose, strided slice, expand, offset) read as their values") {
+  const at::Tensor base = torch::arange(1, 13, torch::kFloat).reshape({4, 3});  // 1..12
+  const at::Tensor wide = torch::arange(1, 25, torch::kFloat).reshape({3, 8});
+  const at::Tensor row = torch::tensor({1.0F, -2.0F, 3.0F, -4.0F});
+  const at::Tensor inputs[] = {
+      base.t(),                                                             // column-major 3 x 4
+      wide.slice(/*dim=*/1, 0, 8, /*step=*/2),                              // every other column
+      row.expand({3, 4}),                                                   // stride 0
+      wide.narrow(0, 1, 2).narrow(1, 2, 4).repeat({2, 1}).narrow(0, 1, 3),  // storage offset
+  };
+  parameter_set<B> params;
+  params.add("w", torch::zeros({3, 4}));
+  for (const at::Tensor& g : inputs) {
+    CAPTURE(g.strides());
+    gradients_params<B> grads;
+    grads.insert("w", g);
+    weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+    window.accumulate_mean(params, grads, 2.0);
+    std::vector<float> expected = floats_of(g.contiguous());
+    for (float& x : expected) x *= 2.0F;
+    CHECK(values<float>(window.pending(), "w") == expected);
+  }
+}
+
+/// One window of mixed inputs with inexact arithmetic (random values, weights 0.3 and 1.7, loss
+/// scale 3): the F32 and F64 sums and means of the three backends, as records.
+struct mixed_inputs {
+  at::Tensor w32 = torch::randn({5, 7});
+  at::Tensor w16 = torch::randn({5, 7}).to(at::kBFloat16);
+  at::Tensor b32 = torch::randn({1, 7});  // [1, 7]: an Eigen matrix has no rank-1 shape
+};
+
+template <class W>
+std::pair<weighted_gradients_record, gradients_params_record> torch_window(const mixed_inputs& in) {
+  parameter_set<B> params;
+  params.add("w", torch::zeros({5, 7}));
+  params.add("b", torch::zeros({1, 7}));
+  weighted_gradients_accumulator<B> window(dtype_of<W>, 3.0);
+  gradients_params<B> first;
+  first.insert("w", in.w32);
+  first.insert("b", in.b32);
+  window.accumulate_mean(params, first, 0.3);
+  gradients_params<B> second;
+  second.insert("w", in.w16);
+  window.accumulate_mean(params, second, 1.7);
+  auto sums = window.try_to_record();
+  return {std::move(sums), window.finish_mean(params).gradients.to_record()};
+}
+
+template <class W>
+std::pair<weighted_gradients_record, gradients_params_record> eigen_window(const mixed_inputs& in) {
+  using E = eigen_backend;
+  const at::Tensor w16 = in.w16.contiguous();
+  parameter_set<E> params;
+  params.add("w", Eigen::MatrixXf::Zero(5, 7));
+  params.add("b", Eigen::MatrixXf::Zero(1, 7));
+  weighted_gradients_accumulator<E> window(dtype_of<W>, 3.0);
+  gradients_params<E> first;
+  first.insert("w", Eigen::Map<const eigen_matrix>(in.w32.data_ptr<float>(), 5, 7));
+  first.insert("b", Eigen::Map<const eigen_matrix>(in.b32.data_ptr<float>(), 1, 7));
+  window.accumulate_mean(params, first, 0.3);
+  gradients_params<E> second;
+  using bf16_matrix = Eigen::Matrix<Eigen::bfloat16, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  second.insert("w", Eigen::Map<const bf16_matrix>(static_cast<const Eigen::bfloat16*>(w16.data_ptr()), 5, 7));
+  window.accumulate_mean(params, second, 1.7);
+  auto sums = window.try_to_record();
+  return {std::move(sums), window.finish_mean(params).gradients.to_record()};
+}
+
+template <class W>
+std::pair<weighted_gradients_record, gradients_params_record> xtensor_window(const mixed_inputs& in) {
+  using X = xtensor_backend;
+  const at::Tensor w16 = in.w16.contiguous();
+  parameter_set<X> params;
+  params.add("w", xt::xarray<float>::from_shape({5, 7}));
+  params.add("b", xt::xarray<float>::from_shape({1, 7}));
+  weighted_gradients_accumulator<X> window(dtype_of<W>, 3.0);
+  gradients_params<X> first;
+  first.insert("w", X::view_of(in.w32.data_ptr<float>(), {5, 7}));
+  first.insert("b", X::view_of(in.b32.data_ptr<float>(), {1, 7}));
+  window.accumulate_mean(params, first, 0.3);
+  gradients_params<X> second;
+  second.insert("w", X::view_of(static_cast<const bf16_bits*>(w16.data_ptr()), {5, 7}));
+  window.accumulate_mean(params, second, 1.7);
+  auto sums = window.try_to_record();
+  return {std::move(sums), window.finish_mean(params).gradients.to_record()};
+}
+
+TEST_CASE_TEMPLATE("sums and means are bit-identical to the Eigen and xtensor backends", W, float, double) {
+  torch::manual_seed(2);
+  const mixed_inputs in;
+  const auto torch_result = torch_window<W>(in);
+  const auto eigen_result = eigen_window<W>(in);
+  const auto xtensor_result = xtensor_window<W>(in);
+  GRADACCUM_CHECK_SAME_BITS(torch_result.first, eigen_result.first);
+  GRADACCUM_CHECK_SAME_BITS(torch_result.first, xtensor_result.first);
+  GRADACCUM_CHECK_SAME_BITS(torch_result.second, eigen_result.second);
+  GRADACCUM_CHECK_SAME_BITS(torch_result.second, xtensor_result.second);
+}
+
+/// A record through a cereal binary archive, as a checkpoint file holds it.
+weighted_gradients_record through_archive(const weighted_gradients_record& record) {
+  std::stringstream bytes;
+  {
+    cereal::BinaryOutputArchive out(bytes);
+    out(record);
+  }
+  weighted_gradients_record loaded;
+  cereal::BinaryInputArchive in(bytes);
+  in(loaded);
+  return loaded;
+}
+
+TEST_CASE("a checkpoint saved with torch restores into Eigen and xtensor, and back, and resumes bit for bit") {
+  torch::manual_seed(3);
+  const at::Tensor g[] = {torch::randn({4, 3}), torch::randn({4, 3}).to(at::kBFloat16), torch::randn({4, 3})};
+  const double weights[] = {3.0, 0.7, 5.0};
+  parameter_set<B> params;
+  params.add("w", torch::zeros({4, 3}));
+  const auto feed = [&](weighted_gradients_accumulator<B>& window, int microbatch) {
+    gradients_params<B> grads;
+    grads.insert("w", g[microbatch]);
+    window.accumulate_mean(params, grads, weights[microbatch]);
+  };
+  weighted_gradients_accumulator<B> uninterrupted(float_dtype::f32, 2.0);
+  for (int k = 0; k < 3; ++k) feed(uninterrupted, k);
+
+  weighted_gradients_accumulator<B> saved(float_dtype::f32, 2.0);
+  feed(saved, 0);
+  feed(saved, 1);
+  const weighted_gradients_record mid_window = through_archive(saved.try_to_record());
+
+  parameter_set<eigen_backend> eigen_params;
+  eigen_params.add("w", Eigen::MatrixXf::Zero(4, 3));
+  weighted_gradients_accumulator<eigen_backend> on_eigen(float_dtype::f64, 1.0);
+  on_eigen.load_record(eigen_params, mid_window);
+  GRADACCUM_CHECK_SAME_BITS(on_eigen.try_to_record(), mid_window);
+
+  parameter_set<xtensor_backend> xtensor_params;
+  xtensor_params.add("w", xt::xarray<float>::from_shape({4, 3}));
+  weighted_gradients_accumulator<xtensor_backend> on_xtensor(float_dtype::f64, 1.0);
+  on_xtensor.load_record(xtensor_params, mid_window);
+  GRADACCUM_CHECK_SAME_BITS(on_xtensor.try_to_record(), mid_window);
+
+  // Back to torch from each, then the last microbatch: the uninterrupted window's bits.
+  for (const weighted_gradients_record& other :
+       {through_archive(on_eigen.try_to_record()), through_archive(on_xtensor.try_to_record())}) {
+    weighted_gradients_accumulator<B> resumed(float_dtype::f64, 1.0);
+    resumed.load_record(params, other);
+    feed(resumed, 2);
+    GRADACCUM_CHECK_SAME_BITS(resumed.try_to_record(), uninterrupted.try_to_record());
+    GRADACCUM_CHECK_SAME_BITS(
+        resumed.finish_mean(params).gradients.to_record(),
+        weighted_gradients_accumulator<B>(uninterrupted).finish_mean(params).gradients.to_record());
+  }
+}
+
+TEST_CASE("gradients that do not fit are refused with a gradaccum::error and change nothing") {
+  parameter_set<B> params;
+  params.add("w", torch::zeros({2, 3}));
+  params.add("b", torch::zeros({3}));
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  gradients_params<B> good;
+  good.insert("w", torch::ones({2, 3}));
+  window.accumulate_sum(params, good, 2.0);
+  const weighted_gradients_record before = window.try_to_record();
+
+  SUBCASE("a dtype that is not F16, BF16, F32 or F64, at insert") {
+    gradients_params<B> grads;
+    grads.insert("b", torch::ones({3}));
+    GRADACCUM_CHECK_REJECTED(grads.insert("w", torch::ones({2, 3}, torch::kInt64)), errc::invalid_dtype, "w");
+    GRADACCUM_CHECK_REJECTED(grads.insert("b", torch::ones({3}, torch::kComplexFloat)), errc::invalid_dtype, "b");
+    CHECK(grads.size() == 1);
+    CHECK(grads.dtype("b") == float_dtype::f32);  // the earlier gradient is kept
+    GRADACCUM_CHECK_REJECTED(params.add("steps", torch::zeros({1}, torch::kInt32)), errc::invalid_dtype, "steps");
+    CHECK(params.size() == 2);
+  }
+  SUBCASE("undefined, sparse and meta tensors, at insert") {
+    gradients_params<B> grads;
+    GRADACCUM_CHECK_REJECTED(grads.insert("w", at::Tensor()), errc::parameter_mismatch, "w");
+    GRADACCUM_CHECK_REJECTED(grads.insert("w", torch::ones({2, 3}).to_sparse()), errc::parameter_mismatch, "w");
+    // The only other device of a CPU build, and it holds no values.
+    GRADACCUM_CHECK_REJECTED(grads.insert("w", torch::ones({2, 3}, torch::Device(torch::kMeta))),
+                             errc::parameter_mismatch, "w");
+    CHECK(grads.empty());
+  }
+  SUBCASE("a shape that differs from the parameter's, at accumulate") {
+    gradients_params<B> grads;
+    grads.insert("b", torch::ones({3}));
+    grads.insert("w", torch::ones({3, 2}));
+    GRADACCUM_CHECK_REJECTED(window.accumulate_sum(params, grads, 1.0), errc::parameter_mismatch, "w");
+    gradients_params<B> transposed;  // same elements, other shape
+    transposed.insert("w", torch::ones({3, 2}).t().t());
+    GRADACCUM_CHECK_REJECTED(window.accumulate_sum(params, transposed, 1.0), errc::parameter_mismatch, "w");
+  }
+  GRADACCUM_CHECK_SAME_BITS(window.try_to_record(), before);
+  CHECK(window.state().microbatches == 1);
+}
+
+TEST_CASE("the helpers take named_parameters() as it is: ties once, frozen skipped, undefined .grad() absent") {
+  Tied model;
+  auto named = model->named_parameters();
+  REQUIRE(named.size() == 4);
+  const auto params = torch_parameters(named);
+  REQUIRE(params.size() == 2);  // "tied_weight" is "weight"; "frozen" does not require grad
+  CHECK(params[0].id == "weight");
+  CHECK(params[1].id == "bias");
+  CHECK(params[1].device == c10::Device(c10::kCPU));
+
+  CHECK(torch_gradients(named).empty());  // nothing has a .grad() yet
+  model->weight.mutable_grad() = torch::full({2, 3}, 2.0F);
+  const auto grads = torch_gradients(named);
+  CHECK(grads.size() == 1);
+  CHECK(grads.contains("weight"));
+  CHECK_FALSE(grads.contains("bias"));
+
+  SUBCASE("write_gradients allocates .grad() in the parameter's dtype and clears absent ones") {
+    model->to(torch::kBFloat16);
+    named = model->named_parameters();
+    const auto bf16_params = torch_parameters(named);
+    model->bias.mutable_grad() = torch::ones({3}, torch::kBFloat16);  // stale, from a backward pass
+    weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+    gradients_params<B> only_weight;
+    only_weight.insert("weight", torch::full({2, 3}, 1.0F + 0x3p-9F));  // not a BF16 value
+    window.accumulate_sum(bf16_params, only_weight, 1.0);
+    model->weight.mutable_grad().reset();
+    write_gradients(named, window.finish_mean(bf16_params).gradients);
+    REQUIRE(model->weight.grad().defined());
+    CHECK(std::string(c10::toString(model->weight.grad().scalar_type())) == "BFloat16");
+    CHECK(model->weight.grad().device() == model->weight.device());
+    // BF16's neighbours of 1 + 3 · 2^-9 are 1 and 1 + 2^-7: the nearer one, not the truncation.
+    CHECK(floats_of(model->weight.grad()) == std::vector<float>(6, 1.0F + 0x1p-7F));
+    CHECK_FALSE(model->bias.grad().defined());  // absent from the mean: no stale step
+  }
+  SUBCASE("write_gradients refuses values that do not fit a parameter and writes nothing") {
+    torch::OrderedDict<std::string, at::Tensor> other;
+    const at::Tensor small = torch::zeros({2}, torch::requires_grad());
+    other.insert("bias", torch::zeros({3}, torch::requires_grad()));
+    other.insert("weight", small);
+    weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+    window.accumulate_sum(params, grads, 1.0);
+    const auto mean = window.finish_mean(params);
+    GRADACCUM_CHECK_REJECTED(write_gradients(other, mean.gradients), errc::parameter_mismatch, "weight");
+    CHECK_FALSE(other["bias"].grad().defined());
+    CHECK_FALSE(small.grad().defined());
+  }
+}
+
+}  // namespace
+}  // namespace gradaccum::test
