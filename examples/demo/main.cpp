@@ -296,7 +296,7 @@ std::vector<std::string> check_failures(const window_measurements& m) {
   }
   const demo::full_step_result& step = m.full_step;
   if (step.skipped != std::vector<std::size_t>{forced_overflow_window}) {
-    failures.push_back("the whole step: exactly the forced overflow window must be skipped");
+    failures.emplace_back("the whole step: exactly the forced overflow window must be skipped");
   }
   for (std::size_t i = 0; i + 1 < step.scales.size(); ++i) {
     const double expected = i == forced_overflow_window ? step.scales[i] / 2 : step.scales[i];

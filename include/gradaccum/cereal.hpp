@@ -665,7 +665,7 @@ class directory_reader {
   [[nodiscard]] bool at_end() const noexcept { return rest_.empty(); }
 
   std::string_view id() {
-    const std::uint32_t length = little_endian<std::uint32_t>();
+    const auto length = little_endian<std::uint32_t>();
     if (length > max_id_length) {
       site_.fail("has a tensor id of " + std::to_string(length) + " bytes, more than the " +
                  std::to_string(max_id_length) + " allowed.");
@@ -673,7 +673,7 @@ class directory_reader {
     return take(length);
   }
   float_dtype dtype() {
-    const std::uint8_t code = little_endian<std::uint8_t>();
+    const auto code = little_endian<std::uint8_t>();
     const std::optional<float_dtype> dtype = dtype_of_code(code);
     if (!dtype) site_.fail("has unknown dtype code " + std::to_string(code) + "; codes are 0 to 3.");
     return *dtype;

@@ -124,13 +124,14 @@ struct shard_access {
   /// `storage` holds the shard's values (`range.size` of them) and the agreed presence.
   template <class B>
   [[nodiscard]] static sharded_gradients<B> make(std::shared_ptr<const flat_layout<B>> layout,
-                                                 std::shared_ptr<flat_storage> storage, std::vector<shard_piece> pieces,
+                                                 const std::shared_ptr<flat_storage>& storage,
+                                                 const std::vector<shard_piece>& pieces,
                                                  const weighted_accumulation_state& state, const shard_range& range,
                                                  bool found_non_finite) noexcept {
     sharded_gradients<B> shard;
     shard.layout_ = std::move(layout);
-    shard.storage_ = std::move(storage);
-    shard.pieces_ = std::move(pieces);
+    shard.storage_ = storage;
+    shard.pieces_ = pieces;
     shard.state_ = state;
     shard.range_ = range;
     shard.found_non_finite_ = found_non_finite;
