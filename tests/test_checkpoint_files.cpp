@@ -37,6 +37,7 @@ extern char** environ;
 
 using namespace gradaccum;
 using backend = eigen_backend;
+using test::extension_of;
 namespace fs = std::filesystem;
 
 namespace {
@@ -71,16 +72,6 @@ class scratch_directory {
 std::string read_bytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-std::string extension_of(checkpoint_format format) {
-  switch (format) {
-    case checkpoint_format::binary: return ".bin";
-    case checkpoint_format::portable_binary: return ".pbin";
-    case checkpoint_format::json: return ".json";
-    case checkpoint_format::xml: return ".xml";
-  }
-  return "";
 }
 
 /// Starts `checkpoint_helper` with `arguments`.

@@ -73,6 +73,7 @@ void operator delete[](void* memory, std::size_t /*size*/) noexcept {
 
 using namespace gradaccum;
 using backend = eigen_backend;
+using test::extension_of;
 
 namespace {
 
@@ -233,12 +234,6 @@ class scratch_file {
  private:
   std::filesystem::path path_;
 };
-
-std::string extension_of(checkpoint_format format) {
-  return format == checkpoint_format::portable_binary ? ".pbin"
-         : format == checkpoint_format::binary        ? ".bin"
-                                                      : "." + std::string(to_string(format));
-}
 
 }  // namespace
 

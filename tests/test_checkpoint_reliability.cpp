@@ -45,16 +45,6 @@ weighted_gradients_record fixture_window() {
   return r;
 }
 
-std::string extension_of(checkpoint_format format) {
-  switch (format) {
-    case checkpoint_format::binary: return ".bin";
-    case checkpoint_format::portable_binary: return ".pbin";
-    case checkpoint_format::json: return ".json";
-    case checkpoint_format::xml: return ".xml";
-  }
-  return "";
-}
-
 std::string replace_first(std::string text, const std::string& from, const std::string& to) {
   const std::size_t at = text.find(from);
   REQUIRE(at != std::string::npos);

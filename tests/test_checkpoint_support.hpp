@@ -18,6 +18,17 @@ struct doctest::StringMaker<gradaccum::checkpoint_format> {
 
 namespace gradaccum::test {
 
+/// @brief The file extension that names `format` (`checkpoint_format_for` reads it back).
+inline std::string extension_of(checkpoint_format format) {
+  switch (format) {
+    case checkpoint_format::binary: return ".bin";
+    case checkpoint_format::portable_binary: return ".pbin";
+    case checkpoint_format::json: return ".json";
+    case checkpoint_format::xml: return ".xml";
+  }
+  return "";
+}
+
 inline constexpr std::array<checkpoint_format, 4> all_formats = {
     checkpoint_format::binary, checkpoint_format::portable_binary, checkpoint_format::json, checkpoint_format::xml};
 
