@@ -5,6 +5,7 @@
 /// asynchronous save snapshots the window as of the call; and a window written by one process
 /// and continued by another finishes bit-identically to the uninterrupted window.
 
+#include <bit>
 #include <chrono>
 #include <csignal>
 #include <cstdint>
@@ -243,6 +244,65 @@ TEST_CASE("a checkpoint that does not fit the parameters leaves the accumulator 
   std::ofstream(path, std::ios::trunc) << "{\"weighted_gradients_record\": ";  // torn JSON
   GRADACCUM_CHECK_REJECTED(load_checkpoint(path, params, accumulator), errc::invalid_record, "");
   GRADACCUM_CHECK_SAME_BITS(accumulator.try_to_record(), before);
+}
+
+TEST_CASE("a window and its dynamic loss scale save in one file and resume together, bit for bit") {
+  const scratch_directory directory;
+  const parameter_set<backend> params = test::window::make_parameters<backend>();
+  const auto accumulator = window_after(params, 4);
+  const weighted_gradients_record record = accumulator.try_to_record();
+  const dynamic_loss_scale_options options{.init_scale = 0x1.8p-3, .backoff_factor = 0.3, .growth_interval = 7,
+                                           .hysteresis = 3};
+  dynamic_loss_scale scaler(options);
+  for (const bool overflow : {true, true, true, false, false}) scaler.update(overflow);  // 0.1875 · 0.3, counters set
+  REQUIRE(scaler.state().growth_tracker == 2);
+
+  for (checkpoint_format format : test::all_formats) {
+    CAPTURE(format);
+    const fs::path path = directory / ("step" + extension_of(format));
+    save_checkpoint(path, accumulator, scaler);
+    weighted_gradients_accumulator<backend> restored(float_dtype::f64, 2.0);
+    dynamic_loss_scale resumed(options);
+    load_checkpoint(path, params, restored, resumed);
+    GRADACCUM_CHECK_SAME_BITS(restored.try_to_record(), record);
+    CHECK(resumed.state() == scaler.state());
+    CHECK(std::bit_cast<std::uint64_t>(resumed.scale()) == std::bit_cast<std::uint64_t>(scaler.scale()));
+
+    // Without the scaler, or with one for a file that has none: refused, nothing changes.
+    weighted_gradients_accumulator<backend> fresh(float_dtype::f32, 1.0);
+    const weighted_gradients_record fresh_record = fresh.try_to_record();
+    GRADACCUM_CHECK_REJECTED(load_checkpoint(path, params, fresh), errc::invalid_record, "");
+    GRADACCUM_CHECK_SAME_BITS(fresh.try_to_record(), fresh_record);
+    const fs::path plain = directory / ("plain" + extension_of(format));
+    save_checkpoint(plain, accumulator);
+    dynamic_loss_scale untouched(options);
+    GRADACCUM_CHECK_REJECTED(load_checkpoint(plain, params, fresh, untouched), errc::invalid_record, "");
+    GRADACCUM_CHECK_SAME_BITS(fresh.try_to_record(), fresh_record);
+    CHECK(untouched.state() == dynamic_loss_scale(options).state());
+
+    // A state the loading scaler's options cannot reach (growth_tracker 2 ≥ an interval of 2).
+    dynamic_loss_scale_options shorter = options;
+    shorter.growth_interval = 2;
+    dynamic_loss_scale other(shorter);
+    GRADACCUM_CHECK_REJECTED(load_checkpoint(path, params, fresh, other), errc::invalid_state, "");
+    GRADACCUM_CHECK_SAME_BITS(fresh.try_to_record(), fresh_record);
+    CHECK(other.state() == dynamic_loss_scale(shorter).state());
+  }
+
+  // The scale's bits are under the checksum: one flipped bit of the last byte (the scaler's
+  // checksum) or of its scale is refused.
+  const fs::path path = directory / "step.bin";
+  std::string bytes = read_bytes(path);
+  for (const std::size_t from_end : {1, 9 + 8 + 8 + 1}) {
+    CAPTURE(from_end);
+    std::string changed = bytes;
+    changed[changed.size() - from_end] = static_cast<char>(changed[changed.size() - from_end] ^ 0x10);
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << changed;
+    weighted_gradients_accumulator<backend> fresh(float_dtype::f32, 1.0);
+    dynamic_loss_scale untouched(options);
+    GRADACCUM_CHECK_REJECTED(load_checkpoint(path, params, fresh, untouched), errc::invalid_record, "");
+    CHECK(untouched.state() == dynamic_loss_scale(options).state());
+  }
 }
 
 TEST_CASE("a plain accumulator's pending sums checkpoint and restore") {

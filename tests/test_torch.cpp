@@ -128,6 +128,8 @@ TEST_CASE("a torch::Tensor goes in as the typed handle of its scalar_type, read 
   REQUIRE(grads.get<c10::BFloat16>("p.BFloat16") != nullptr);
   // The same storage as the caller's tensor, not a copy.
   CHECK(grads.get<c10::BFloat16>("p.BFloat16")->tensor().data_ptr() == kept[1].data_ptr());
+  // On the CPU its host values are that storage too: only a tensor off the CPU is copied.
+  CHECK(grads.get<c10::BFloat16>("p.BFloat16")->host().data_ptr() == kept[1].data_ptr());
 
   kept[2].mul_(2.0);  // after insert, before accumulate: the accumulator must see it
   weighted_gradients_accumulator<B> window(float_dtype::f64, 1.0);

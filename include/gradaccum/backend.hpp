@@ -42,7 +42,8 @@
 /// `tensor<T>` it converts to (see `<gradaccum/detail/gradient_input.hpp>`).
 ///
 /// The buffer is host memory, so a backend whose tensors live on an accelerator reads them into
-/// it in `add_scaled` (a device-to-host copy); see docs/architecture.md.
+/// it in `add_scaled`. That is `noexcept`, so a copy off the device belongs where the tensor goes in
+/// (`adapt`, or its `tensor<T>`'s constructor), which may throw; see docs/architecture.md.
 
 #include <concepts>
 #include <span>

@@ -21,6 +21,11 @@
 ///   content; JSON and XML documents nesting deeper than `max_document_depth` are rejected; an
 ///   accumulator is changed only when everything loaded and validated. Files that are not
 ///   regular (FIFO, device, socket) are refused without blocking.
+/// - `save_checkpoint(path, accumulator, scaler[, format])` and `load_checkpoint(path, params,
+///   accumulator, scaler[, format])` keep a window and the `dynamic_loss_scale` that drives it in
+///   one file, written and restored together: a resumed run continues with the same pending
+///   values, scale and counters, bit for bit. Loading such a file without the scaler (or a file
+///   without one with it) is refused, so neither is lost silently.
 /// - `checkpoint_version(path)` tells a file's record format version (3 has checksums).
 /// - `serialize_checkpoint` / `parse_checkpoint` do the same in memory.
 ///
@@ -57,6 +62,7 @@
 #include "gradaccum/detail/posix_file.hpp"
 #include "gradaccum/detail/text_archives.hpp"
 #include "gradaccum/detail/text_guards.hpp"
+#include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/parameter_set.hpp"
 #include "gradaccum/records.hpp"
@@ -161,6 +167,21 @@ template <checkpointable Accumulator, class B>
 void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
                      std::optional<checkpoint_format> format = std::nullopt);
 
+/// @brief Saves an accumulator's record followed by `scaler`'s state, in one file: the window and
+/// the loss scale that drives it are committed together (a crash leaves both old or both new).
+template <checkpointable Accumulator>
+void save_checkpoint(const std::filesystem::path& path, const Accumulator& accumulator,
+                     const dynamic_loss_scale& scaler, std::optional<checkpoint_format> format = std::nullopt);
+
+/// @brief Restores an accumulator and `scaler` from a file `save_checkpoint(path, accumulator,
+/// scaler)` wrote. The saved state must be one `scaler`'s options can reach (the checks of
+/// `dynamic_loss_scale(options, state)`); neither changes unless both loaded and validated.
+/// @throws what `load_checkpoint(path, params, accumulator)` throws; error(errc::invalid_record)
+/// for a file without a loss scale state (and, from that overload, for a file with one).
+template <checkpointable Accumulator, class B>
+void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
+                     dynamic_loss_scale& scaler, std::optional<checkpoint_format> format = std::nullopt);
+
 /// @brief Writes `record` on another thread; `get()` on the result rethrows what
 /// `save_checkpoint` threw.
 template <checkpoint_record R>
@@ -173,6 +194,14 @@ template <checkpoint_record R>
 template <checkpointable Accumulator>
   requires std::copy_constructible<Accumulator>
 [[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
+                                                      std::optional<checkpoint_format> format = std::nullopt);
+
+/// @brief `save_checkpoint(path, accumulator, scaler)` on another thread, from a snapshot of both
+/// as of this call.
+template <checkpointable Accumulator>
+  requires std::copy_constructible<Accumulator>
+[[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
+                                                      const dynamic_loss_scale& scaler,
                                                       std::optional<checkpoint_format> format = std::nullopt);
 
 // ---- Implementation ------------------------------------------------------------------------------
@@ -252,13 +281,19 @@ constexpr const char* record_name() noexcept {
   }
 }
 
-/// Writes a record or a view of one. The library's text archives complete their document in
-/// `finish()`, so a save that throws midway leaves an unfinished one and never terminates.
+/// The name of the node that follows a window's record in a file that also holds its loss scale.
+inline constexpr const char* loss_scale_node = "dynamic_loss_scale_state";
+
+/// Writes a record or a view of one, then `scale` when given. The library's text archives
+/// complete their document in `finish()`, so a save that throws midway leaves an unfinished one
+/// and never terminates.
 template <class R>
-void write_record(std::ostream& out, const R& record, checkpoint_format format) {
+void write_record(std::ostream& out, const R& record, checkpoint_format format,
+                  const dynamic_loss_scale_state* scale = nullptr) {
   visit_format(format, [&]<class Archives>() {
     typename Archives::output archive(out);
     archive(cereal::make_nvp(record_name<R>(), record));
+    if (scale != nullptr) archive(cereal::make_nvp(loss_scale_node, *scale));
     if constexpr (requires { archive.finish(); }) archive.finish();
   });
 }
@@ -299,10 +334,29 @@ class string_sink final : public std::streambuf {
 
 /// Reads `into` (a record, or a loader's sink target such as `weighted_into<S>`) from
 /// `source` (text formats: from `text`, the whole document) with the hardened loaders, as the outermost object of a
-/// document holding a record of type R; cereal's own failures (a short outermost version, a root that is not an object)
-/// become `error(errc::invalid_record)` too. Binary input must end with the record.
+/// document holding a record of type R, then `scale` when given; cereal's own failures (a short outermost version,
+/// a root that is not an object) become `error(errc::invalid_record)` too. The document must hold
+/// nothing else: binary input ends there, a text document has no other outermost node.
 template <checkpoint_record R, class Into>
-void read_into(sized_streambuf& source, std::string_view text, checkpoint_format format, Into& into) {
+void read_into(sized_streambuf& source, std::string_view text, checkpoint_format format, Into& into,
+               dynamic_loss_scale_state* scale = nullptr) {
+  const auto read_all = [&](auto& archive) {
+    archive(into);
+    if (scale != nullptr) {
+      try {
+        archive(cereal::make_nvp(loss_scale_node, *scale));
+      } catch (const cereal::Exception&) {
+        fail(errc::invalid_record, std::string("checkpoint holds no dynamic loss scale after its ") + record_name<R>() +
+                                       "; load it without a scaler.");
+      }
+    }
+  };
+  const auto refuse_more = [&] {
+    fail(errc::invalid_record, std::string("checkpoint holds more than its ") + record_name<R>() +
+                                   (scale != nullptr ? " and loss scale" : "") +
+                                   " (a window saved with its dynamic_loss_scale loads with "
+                                   "load_checkpoint(path, params, accumulator, scaler)).");
+  };
   const auto fail_with = [&](const char* cause) {
     // Outside our loaders, cereal only reads a binary input's version and byte order tag.
     fail(errc::invalid_record, "checkpoint is not a valid " + std::string(to_string(format)) + " " + record_name<R>() +
@@ -313,14 +367,18 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
       using input = typename Archives::input;
       if constexpr (std::is_same_v<input, json_input_archive>) {
         input archive(text);
-        archive(into);
+        read_all(archive);
+        if (archive.root_members() != (scale != nullptr ? 2U : 1U)) refuse_more();
       } else {
         sized_input_archive<input> archive(source);
         // cereal's XML archive dereferences a null node when asked for a record it does not hold.
         if constexpr (requires { archive.getNodeName(); }) {
           if (archive.getNodeName() == nullptr) fail(errc::invalid_record, "checkpoint holds no record.");
         }
-        archive(into);
+        read_all(archive);
+        if constexpr (requires { archive.getNodeName(); }) {
+          if (archive.getNodeName() != nullptr) refuse_more();
+        }
       }
     });
   } catch (const cereal::Exception& e) {
@@ -329,9 +387,12 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
     fail_with(e.what());
   }
   if (!is_text_format(format) && source.remaining() != 0) {
-    fail(errc::invalid_record, "checkpoint has " + std::to_string(source.remaining()) +
-                                   " bytes after its record; it is not one " + std::string(to_string(format)) +
-                                   " record.");
+    fail(errc::invalid_record, "checkpoint has " + std::to_string(source.remaining()) + " bytes after its " +
+                                   (scale != nullptr ? "record and loss scale" : "record") + "; it is not one " +
+                                   std::string(to_string(format)) + " record" +
+                                   (scale != nullptr ? "" : " (a window saved with its dynamic_loss_scale loads with "
+                                                            "load_checkpoint(path, params, accumulator, scaler))") +
+                                   ".");
   }
 }
 
@@ -349,11 +410,12 @@ void read_bytes(std::string_view bytes, checkpoint_format format, F&& read) {
   throw error(e.code(), "checkpoint " + quote(path.string()) + ": " + e.what(), e.param_id());
 }
 
-/// Writes `record` (or a view of one) to `path` atomically.
+/// Writes `record` (or a view of one), and `scale` when given, to `path` atomically.
 template <class R>
-void save_file(const std::filesystem::path& path, const R& record, checkpoint_format format) {
+void save_file(const std::filesystem::path& path, const R& record, checkpoint_format format,
+               const dynamic_loss_scale_state* scale = nullptr) {
   atomic_file file(path);
-  file.write_and_commit([&](std::ostream& out) { write_record(out, record, format); });
+  file.write_and_commit([&](std::ostream& out) { write_record(out, record, format, scale); });
 }
 
 /// Runs `read(source, text)` over the file at `path`; text documents are read whole first.
@@ -476,6 +538,31 @@ void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& 
   std::move(sink).commit();
 }
 
+template <checkpointable Accumulator>
+void save_checkpoint(const std::filesystem::path& path, const Accumulator& accumulator,
+                     const dynamic_loss_scale& scaler, std::optional<checkpoint_format> format) {
+  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
+  accumulator.visit_record([&](const auto& view) { detail::save_file(path, view, resolved, &scaler.state()); });
+}
+
+template <checkpointable Accumulator, class B>
+void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
+                     dynamic_loss_scale& scaler, std::optional<checkpoint_format> format) {
+  using record_type = decltype(accumulator.try_to_record());
+  using restorer = typename Accumulator::restorer;
+  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
+  restorer sink(accumulator, params);
+  detail::into_for<record_type, restorer> into{&sink};
+  std::optional<dynamic_loss_scale> restored;
+  detail::read_file(path, resolved, [&](detail::sized_streambuf& source, std::string_view text) {
+    dynamic_loss_scale_state state;
+    detail::read_into<record_type>(source, text, resolved, into, &state);
+    restored.emplace(scaler.options(), state);  // a state these options cannot reach throws here
+  });
+  std::move(sink).commit();  // neither of these two can throw
+  scaler = *restored;
+}
+
 template <checkpoint_record R>
 std::future<void> save_checkpoint_async(std::filesystem::path path, R record, std::optional<checkpoint_format> format) {
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
@@ -491,6 +578,16 @@ std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumu
   const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
   return std::async(std::launch::async, [path = std::move(path), snapshot = accumulator, resolved] {
     save_checkpoint(path, snapshot, resolved);
+  });
+}
+
+template <checkpointable Accumulator>
+  requires std::copy_constructible<Accumulator>
+std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
+                                        const dynamic_loss_scale& scaler, std::optional<checkpoint_format> format) {
+  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
+  return std::async(std::launch::async, [path = std::move(path), snapshot = accumulator, scaler, resolved] {
+    save_checkpoint(path, snapshot, scaler, resolved);
   });
 }
 

@@ -459,6 +459,8 @@ class json_input_archive : public cereal::InputArchive<json_input_archive>, publ
   void finishNode() { cursors_.pop_back(); }
   void setNextName(const char* name) noexcept { next_name_ = name; }
   void loadSize(cereal::size_type& size) const noexcept { size = cursors_.back().node->items.size(); }
+  /// How many members the document's root object has (a checkpoint holds one record, or two).
+  [[nodiscard]] std::size_t root_members() const noexcept { return root_.items.size(); }
 
   void loadValue(std::string& text) {
     const json_value& value = next();

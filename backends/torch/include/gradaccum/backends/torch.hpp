@@ -17,8 +17,8 @@
 /// Arithmetic: the library's kernels on CPU memory, through the tensor's strides, so results are
 /// bit-identical to the Eigen and xtensor backends. Not ATen's `add_(g, alpha)`, which fuses the
 /// multiply into the add (one rounding; the contract rounds twice). A gradient on another device
-/// is copied to the host as it is (its own dtype, exact) and then added by the same kernels,
-/// because the window's buffer is host memory.
+/// is copied to the host as it is (its own dtype, exact) when it goes in, and then added by the
+/// same kernels, because the window's buffer is host memory.
 ///
 /// @code
 /// auto named = model->named_parameters();
@@ -75,25 +75,32 @@ struct element_dtype<c10::BFloat16> {
 
 /// @brief A `torch::Tensor` whose dtype is T's (`c10::Half`, `c10::BFloat16`, `float`,
 /// `double`): the typed form the library stores. A handle, like the tensor itself: copying it
-/// shares the storage; any device, any strides.
+/// shares the storage; any device, any strides. A tensor off the CPU is copied to the host once,
+/// here (its own dtype, exact), so that adding it later cannot fail half-way.
 template <class T>
 class torch_tensor {
  public:
-  /// @throws error(errc::invalid_dtype) unless `value` is a defined, strided tensor of T's dtype.
+  /// @throws error(errc::invalid_dtype) unless `value` is a defined, strided tensor of T's dtype;
+  /// what libtorch throws when copying it off its device fails.
   explicit torch_tensor(at::Tensor value);
 
   /// @brief The tensor, as the caller gave it.
   [[nodiscard]] const at::Tensor& tensor() const noexcept { return value_; }
 
+  /// @brief Its values in host memory: the tensor itself on the CPU, else its copy.
+  [[nodiscard]] const at::Tensor& host() const noexcept { return host_; }
+
  private:
   at::Tensor value_;
+  at::Tensor host_;
 };
 
 /// @brief Traits that adapt `torch::Tensor`s to `serializable_backend` (see the file comment).
 ///
 /// Devices are `c10::Device`s: a gradient must be on its parameter's device. A tensor is read
 /// where it is when it lives on the CPU (the storage must outlive the accumulation call, as a
-/// module's parameters and gradients do), else copied to the host first. Results (`map`) are CPU
+/// module's parameters and gradients do), else copied to the host when it goes in (`adapt`,
+/// which may throw), never while it is added. Results (`map`) are CPU
 /// tensors viewing the window's buffer; `write_gradients` copies them to each parameter's device
 /// and dtype. Records hold row-major values, so they restore into any other backend.
 struct torch_backend {
@@ -119,8 +126,7 @@ struct torch_backend {
     return x.tensor().device();
   }
 
-  /// acc (row-major) += scale · W(g) through g's strides. A gradient off the CPU is copied to the
-  /// host first; that copy allocates, and a failed allocation here terminates (noexcept).
+  /// acc (row-major) += scale · W(g) through the strides of g's host values (no allocation).
   template <class W, class T>
   static void add_scaled(std::span<W> acc, const tensor<T>& g, W scale) noexcept;
 
@@ -167,11 +173,6 @@ namespace detail {
 template <class T>
 inline constexpr at::ScalarType torch_scalar_type = c10::CppTypeToScalarType<T>::value;
 
-/// The host tensor whose storage holds `x`'s values: `x` itself on the CPU, else a copy.
-inline at::Tensor torch_host(const at::Tensor& x) {
-  return x.is_cpu() ? x : x.to(at::kCPU);
-}
-
 /// `x`'s values on the host, as a strided view in elements (libtorch's strides are in elements).
 template <class T>
 strided_view<const T> torch_host_view(const at::Tensor& host, const tensor_shape& shape) {
@@ -205,6 +206,7 @@ torch_tensor<T>::torch_tensor(at::Tensor value) : value_(std::move(value)) {
     detail::fail(errc::invalid_dtype, "a torch_tensor<" + std::string(to_string(dtype_of<T>)) +
                                           "> must hold a defined, strided tensor of that dtype.");
   }
+  host_ = value_.is_cpu() ? value_ : value_.to(at::kCPU);
 }
 
 inline torch_backend::input torch_backend::adapt(const at::Tensor& x) {
@@ -234,8 +236,7 @@ tensor_shape torch_backend::shape(const tensor<T>& x) {
 
 template <class W, class T>
 void torch_backend::add_scaled(std::span<W> acc, const tensor<T>& g, W scale) noexcept {
-  const at::Tensor host = detail::torch_host(g.tensor());
-  gradaccum::add_scaled(acc, detail::torch_host_view<T>(host, shape(g)), scale);
+  gradaccum::add_scaled(acc, detail::torch_host_view<T>(g.host(), shape(g)), scale);
 }
 
 template <class W>
@@ -249,15 +250,13 @@ template <class W, class T>
 torch_tensor<W> torch_backend::convert(const tensor<T>& x) {
   const tensor_shape s = shape(x);
   at::Tensor out = at::empty(detail::torch_sizes(s), at::TensorOptions().dtype(detail::torch_scalar_type<W>));
-  const at::Tensor host = detail::torch_host(x.tensor());
-  copy_row_major(detail::torch_host_view<T>(host, s), std::span<W>(static_cast<W*>(out.data_ptr()), out.numel()));
+  copy_row_major(detail::torch_host_view<T>(x.host(), s), std::span<W>(static_cast<W*>(out.data_ptr()), out.numel()));
   return tensor<W>(x.tensor().is_cpu() ? out : out.to(x.tensor().device()));
 }
 
 template <class T>
 void torch_backend::to_row_major(const tensor<T>& t, std::span<T> out) {
-  const at::Tensor host = detail::torch_host(t.tensor());
-  copy_row_major(detail::torch_host_view<T>(host, shape(t)), out);
+  copy_row_major(detail::torch_host_view<T>(t.host(), shape(t)), out);
 }
 
 template <class T>
@@ -270,6 +269,8 @@ torch_tensor<T> torch_backend::from_row_major(std::span<const T> values, const t
 
 inline parameter_set<torch_backend> torch_parameters(const torch::OrderedDict<std::string, at::Tensor>& named) {
   parameter_set<torch_backend> params;
+  // A parameter off the CPU is copied to the host here, one at a time and once per parameter
+  // set (its values are not kept; only its shape and device are).
   detail::for_each_trainable(named, [&](const std::string& id, const at::Tensor& p) { params.add(id, p); });
   return params;
 }
