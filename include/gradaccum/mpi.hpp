@@ -39,6 +39,11 @@
 
 namespace gradaccum {
 
+/// @brief How many bytes `allreduce_mean` and `start_allreduce_mean` sum per collective unless
+/// told otherwise: a bucket is normalized as soon as its sum arrives, while it is still in cache,
+/// and a window of many buckets has them all in flight together (as DDP's `bucket_cap_mb`).
+inline constexpr std::size_t default_bucket_bytes = std::size_t{4} << 20;
+
 /// @brief Reduces every rank's window sums over `comm`; returns, on every rank, the mean over all
 /// ranks' microbatches with the global state (summed total weight and microbatch count).
 ///
@@ -58,9 +63,13 @@ namespace gradaccum {
 /// error(errc::unknown_parameters) or error(errc::parameter_mismatch) for a pending gradient that
 /// is no parameter of `params`); its peers throw the same code naming that rank. Every rank
 /// throws alike, and `sums` is moved from only on success.
+///
+/// Values are summed in buckets of `bucket_bytes` (at least one element, at most `INT_MAX`);
+/// every rank must pass the same, else error(errc::invalid_state) on every rank. A window of one
+/// bucket is summed by one blocking `MPI_Allreduce`.
 template <class B>
 [[nodiscard]] accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
-                                                      MPI_Comm comm);
+                                                      MPI_Comm comm, std::size_t bucket_bytes = default_bucket_bytes);
 
 template <class B>
 class allreduce_mean_request;
@@ -74,7 +83,8 @@ class allreduce_mean_request;
 /// inside MPI calls: call `test()` now and then while overlapping other work.
 template <class B>
 [[nodiscard]] allreduce_mean_request<B> start_allreduce_mean(const parameter_set<B>& params,
-                                                             accumulated_gradients<B>&& sums, MPI_Comm comm);
+                                                             accumulated_gradients<B>&& sums, MPI_Comm comm,
+                                                             std::size_t bucket_bytes = default_bucket_bytes);
 
 /// @brief A reduction started by `start_allreduce_mean`.
 ///
@@ -109,14 +119,15 @@ class allreduce_mean_request {
  private:
   template <class B2>
   friend allreduce_mean_request<B2> start_allreduce_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&,
-                                                         MPI_Comm);
+                                                         MPI_Comm, std::size_t);
   template <class B2>
-  friend accumulated_gradients<B2> allreduce_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&, MPI_Comm);
+  friend accumulated_gradients<B2> allreduce_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&, MPI_Comm,
+                                                  std::size_t);
 
   /// Agrees and starts the collectives; with `block_single_bucket`, a window of one bucket is
   /// reduced right here by the blocking `MPI_Allreduce` instead (for `allreduce_mean`).
   allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm,
-                         bool block_single_bucket);
+                         std::size_t bucket_bytes, bool block_single_bucket);
 
   /// Normalizes bucket `k`, whose sum has arrived.
   void normalize_bucket(std::size_t k) noexcept;
@@ -125,6 +136,7 @@ class allreduce_mean_request {
   detail::mpi::agreed_window<B> window_;
   std::vector<MPI_Request> requests_;  // one per bucket; MPI_REQUEST_NULL once it completed
   std::vector<int> completed_;         // indices from MPI_Testsome / MPI_Waitsome
+  std::size_t bucket_ = 0;             // elements per bucket
   std::size_t in_flight_ = 0;
   bool taken_ = true;
 };
@@ -183,7 +195,7 @@ void allgather_shards(const sharded_gradients<B>& shard, std::span<W> flat_param
 // Implementation.
 //
 // The values are summed in place over the window buffer in buckets of at most
-// `GRADACCUM_MPI_BUCKET_BYTES`, each normalized once its sum has arrived: one `MPI_Iallreduce`
+// `bucket_bytes`, each normalized once its sum has arrived: one `MPI_Iallreduce`
 // per bucket, all in flight together; a window of one bucket in `allreduce_mean` by one blocking
 // `MPI_Allreduce`. Measured on 2 local ranks of Open MPI 4.1 (see README "Going multi-process"
 // and benchmarks/bench_mpi.cpp, on a loaded machine), a 64 MiB window's 16 buckets in flight
@@ -208,24 +220,30 @@ void allgather_shards(const sharded_gradients<B>& shard, std::span<W> flat_param
 
 template <class B>
 allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums,
-                                                  MPI_Comm comm, bool block_single_bucket) {
-  window_ = detail::mpi::agree(params, sums, comm, [&](std::size_t elements) {
-    const std::size_t bucket = sums.state.dtype == float_dtype::f64 ? detail::mpi::bucket_elements<double>
-                                                                    : detail::mpi::bucket_elements<float>;
-    requests_.reserve((elements + bucket - 1) / bucket);
-    completed_.resize(requests_.capacity());
-  });
+                                                  MPI_Comm comm, std::size_t bucket_bytes, bool block_single_bucket) {
+  const auto bucket_of = [&](float_dtype dtype) {
+    return detail::mpi::bucket_elements(bucket_bytes, dtype == float_dtype::f64 ? sizeof(double) : sizeof(float));
+  };
+  window_ = detail::mpi::agree(
+      params, sums, comm,
+      [&](std::size_t elements) {
+        const std::size_t bucket = bucket_of(sums.state.dtype);
+        requests_.reserve(elements / bucket + 1);
+        completed_.resize(requests_.capacity());
+      },
+      false, bucket_bytes);
+  bucket_ = bucket_of(window_.state.dtype);
   taken_ = false;
   try {
     detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
       W* const values = window_.gradients.template flat<W>().data();
-      if (block_single_bucket && window_.end - window_.begin <= detail::mpi::bucket_elements<W>) {
+      if (block_single_bucket && window_.end - window_.begin <= bucket_) {
         detail::mpi::reduce(values, window_.begin, window_.end, static_cast<W>(window_.state.loss_scale),
                             static_cast<W>(window_.state.total_weight), comm);
         return;
       }
-      for (std::size_t at = window_.begin; at < window_.end; at += detail::mpi::bucket_elements<W>) {
-        const std::size_t count = std::min(detail::mpi::bucket_elements<W>, window_.end - at);
+      for (std::size_t at = window_.begin; at < window_.end; at += bucket_) {
+        const std::size_t count = std::min(bucket_, window_.end - at);
         MPI_Request& request = requests_.emplace_back(MPI_REQUEST_NULL);  // reserved: cannot throw
         detail::mpi::check(MPI_Iallreduce(MPI_IN_PLACE, values + at, static_cast<int>(count),
                                           detail::mpi::datatype<W>(), MPI_SUM, comm, &request),
@@ -244,6 +262,7 @@ allreduce_mean_request<B>::allreduce_mean_request(allreduce_mean_request&& other
     : window_(std::move(other.window_)),
       requests_(std::move(other.requests_)),
       completed_(std::move(other.completed_)),
+      bucket_(other.bucket_),
       in_flight_(std::exchange(other.in_flight_, 0)),
       taken_(std::exchange(other.taken_, true)) {}
 
@@ -254,6 +273,7 @@ allreduce_mean_request<B>& allreduce_mean_request<B>::operator=(allreduce_mean_r
     window_ = std::move(other.window_);
     requests_ = std::move(other.requests_);
     completed_ = std::move(other.completed_);
+    bucket_ = other.bucket_;
     in_flight_ = std::exchange(other.in_flight_, 0);
     taken_ = std::exchange(other.taken_, true);
   }
@@ -297,9 +317,8 @@ accumulated_gradients<B> allreduce_mean_request<B>::wait() {
 template <class B>
 void allreduce_mean_request<B>::normalize_bucket(std::size_t k) noexcept {
   detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
-    const std::size_t at = window_.begin + k * detail::mpi::bucket_elements<W>;
-    detail::mpi::normalize(window_.gradients.template flat<W>().data() + at,
-                           std::min(detail::mpi::bucket_elements<W>, window_.end - at),
+    const std::size_t at = window_.begin + k * bucket_;
+    detail::mpi::normalize(window_.gradients.template flat<W>().data() + at, std::min(bucket_, window_.end - at),
                            static_cast<W>(window_.state.loss_scale), static_cast<W>(window_.state.total_weight));
   });
   --in_flight_;
@@ -317,14 +336,14 @@ void allreduce_mean_request<B>::complete_quietly() noexcept {
 
 template <class B>
 allreduce_mean_request<B> start_allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
-                                               MPI_Comm comm) {
-  return allreduce_mean_request<B>(params, sums, comm, false);
+                                               MPI_Comm comm, std::size_t bucket_bytes) {
+  return allreduce_mean_request<B>(params, sums, comm, bucket_bytes, false);
 }
 
 template <class B>
 accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
-                                        MPI_Comm comm) {
-  return allreduce_mean_request<B>(params, sums, comm, true).wait();
+                                        MPI_Comm comm, std::size_t bucket_bytes) {
+  return allreduce_mean_request<B>(params, sums, comm, bucket_bytes, true).wait();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -38,9 +38,12 @@ namespace mpi_test {
 using gradaccum::errc;
 using gradaccum::float_dtype;
 
-/// Set by main() (mpi_main.cpp).
+/// Set by main() (mpi_main.cpp); the bucket size from $GRADACCUM_TEST_BUCKET_BYTES, which the
+/// small-bucket runs set to 44 bytes (11 floats, 5 doubles): buckets then end inside segments and
+/// in their padding, and most segments span several.
 inline int world_rank = 0;
 inline int world_size = 1;
+inline std::size_t bucket_bytes = gradaccum::default_bucket_bytes;
 
 #ifdef GRADACCUM_TEST_HAVE_EIGEN
 #define EIGEN_BACKENDS gradaccum::eigen_backend,
@@ -58,7 +61,7 @@ struct parameter_spec {
 };
 
 /// Every shape has rank 2, as Eigen matrices do. "big" holds 20480 elements, many buckets when buckets are small
-/// (test_mpi_small_buckets); "solo" receives a gradient on one rank only; "unused" on none.
+/// (the small-bucket runs); "solo" receives a gradient on one rank only; "unused" on none.
 inline const std::vector<parameter_spec>& model() {
   static const std::vector<parameter_spec> specs{
       {"embed", {4, 3}},   {"fc.weight", {3, 5}}, {"fc.bias", {5, 1}},

@@ -4,6 +4,9 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <cstdlib>
+#include <string>
+
 #include <mpi.h>
 
 #include "mpi_fixture.hpp"
@@ -14,6 +17,7 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &mpi_test::world_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &mpi_test::world_size);
+  if (const char* bytes = std::getenv("GRADACCUM_TEST_BUCKET_BYTES")) mpi_test::bucket_bytes = std::stoul(bytes);
   doctest::Context context(argc, argv);
   if (mpi_test::world_rank != 0) context.setOption("minimal", true);
   int failed = context.run() != 0 ? 1 : 0;

@@ -3,8 +3,9 @@
 /// process accumulating every rank's microbatches bit for bit, and every disagreement is the same
 /// error on every rank, with every rank's sums left as they were.
 ///
-/// Built twice: with the default bucket size, and with buckets of a few elements
-/// (test_mpi_small_buckets), where buckets end inside segments and in their padding.
+/// Run twice: with the default bucket size, and with buckets of a few elements
+/// (mpi_N_ranks_small_buckets, $GRADACCUM_TEST_BUCKET_BYTES), where buckets end inside segments
+/// and in their padding.
 
 #include <bit>
 #include <cmath>
@@ -32,7 +33,7 @@ TEST_CASE_TEMPLATE("allreduce_mean equals one process accumulating every rank's 
   for (const float_dtype dtype : {float_dtype::f32, float_dtype::f64}) {
     INFO("work dtype " << dtype);
     auto sums = local_sums(params, dtype);
-    const auto mean = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
+    const auto mean = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes);
     const auto expected = single_process_mean(params, dtype);
     GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(expected));
     // Spelled out, since the comparison above would also pass if both were wrong the same way:
@@ -57,7 +58,7 @@ TEST_CASE_TEMPLATE("every parameter present on every rank: the same result witho
   mine.accumulate_sum(params, every_parameter(world_rank), world_rank + 1.0);
   gradaccum::weighted_gradients_accumulator<B> all(float_dtype::f32, loss_scale);
   for (int rank = 0; rank < world_size; ++rank) all.accumulate_sum(params, every_parameter(rank), rank + 1.0);
-  const auto mean = gradaccum::allreduce_mean(params, mine.finish_sums(), MPI_COMM_WORLD);
+  const auto mean = gradaccum::allreduce_mean(params, mine.finish_sums(), MPI_COMM_WORLD, bucket_bytes);
   GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(all.finish_mean(params)));
   CHECK(mean.gradients.size() == model().size());
 }
@@ -71,7 +72,7 @@ TEST_CASE_TEMPLATE("a rank with zero tokens receives the full result and counts 
     CHECK(sums.state.total_weight == 0.0);
     CHECK(sums.state.microbatches == 1);
   }
-  const auto mean = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
+  const auto mean = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes);
   // fc.bias: sums g0 and g5 of microbatches 0 and 5, over 28 tokens and a loss scale of 4.
   const auto record = mean.gradients.to_record();  // sorted by id: big, embed, fc.bias, ...
   CHECK(record.tensors[2].id == "fc.bias");
@@ -84,7 +85,7 @@ TEST_CASE_TEMPLATE("a rank with zero tokens receives the full result and counts 
 TEST_CASE_TEMPLATE("start_allreduce_mean overlaps other work and gives the same result", B, BACKENDS) {
   INFO("rank " << world_rank << " of " << world_size);
   const auto params = parameters<B>();
-  auto request = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD);
+  auto request = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD, bucket_bytes);
   CHECK(request.state().total_weight == 28.0);
   CHECK(request.state().microbatches == step().size());
   const auto expected = single_process_mean(params, float_dtype::f64);  // the overlapped work
@@ -102,12 +103,12 @@ TEST_CASE_TEMPLATE("start_allreduce_mean overlaps other work and gives the same 
   GRADACCUM_CHECK_REJECTED(request.wait(), errc::invalid_state, "");  // NOLINT(bugprone-use-after-move)
 
   {  // waited without a test() first
-    auto direct = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+    auto direct = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket_bytes);
     GRADACCUM_CHECK_SAME_BITS(record_of(direct.wait()), record_of(single_process_mean(params, float_dtype::f32)));
   }
 
   {  // dropped without waiting: the destructor waits, and the ranks stay in step
-    auto dropped = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+    auto dropped = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket_bytes);
   }
   check_ranks_still_agree(params);
 }
@@ -120,14 +121,14 @@ TEST_CASE_TEMPLATE("reductions in flight together and the caller's own messages 
   int received = 0;
   MPI_Request caller = MPI_REQUEST_NULL;
   MPI_Irecv(&received, 1, MPI_INT, MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &caller);
-  auto first = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+  auto first = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket_bytes);
   // The caller's own collective on the same communicator while both are in flight, with test()
   // called on some ranks only: every collective of a request starts in start_allreduce_mean.
   if (world_rank == 0) static_cast<void>(first.test());
   int ranks = 1;
   MPI_Allreduce(MPI_IN_PLACE, &ranks, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   CHECK(ranks == world_size);
-  auto second = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD);
+  auto second = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD, bucket_bytes);
   if (world_rank == world_size - 1) static_cast<void>(second.test());
   const auto second_mean = second.wait();  // taken in the other order than started
   const auto first_mean = first.wait();
@@ -153,7 +154,7 @@ TEST_CASE_TEMPLATE("every rank gets the same bits when the sums round", B, BACKE
   }
   gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, 3.0);
   window.accumulate_sum(params, grads, 7.0);
-  const auto mean = gradaccum::allreduce_mean(params, window.finish_sums(), MPI_COMM_WORLD);
+  const auto mean = gradaccum::allreduce_mean(params, window.finish_sums(), MPI_COMM_WORLD, bucket_bytes);
   // FNV-1a over every value's bits, then the smallest and largest over the ranks.
   std::uint64_t hash = 14695981039346656037ULL;
   for (const auto& t : mean.gradients.to_record().tensors) {
@@ -175,7 +176,7 @@ TEST_CASE_TEMPLATE("a parameter named only in zero-weight microbatches is absent
   gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, loss_scale);
   window.accumulate_sum(params, gradients_of<B>(2, float_dtype::f32), 12.0);  // fc.weight, big
   window.accumulate_sum(params, gradients_of<B>(3, float_dtype::f32), 0.0);   // embed, fc.bias
-  const auto mean = gradaccum::allreduce_mean(params, window.finish_sums(), MPI_COMM_WORLD);
+  const auto mean = gradaccum::allreduce_mean(params, window.finish_sums(), MPI_COMM_WORLD, bucket_bytes);
   CHECK(mean.gradients.size() == 2);
   CHECK(mean.gradients.contains("fc.weight"));
   CHECK(mean.gradients.contains("big"));
@@ -186,8 +187,7 @@ TEST_CASE_TEMPLATE("a parameter named only in zero-weight microbatches is absent
 
 TEST_CASE_TEMPLATE("buckets ending inside segments and in padding give exact values", B, BACKENDS) {
   INFO("rank " << world_rank << " of " << world_size);
-  INFO("bucket of " << gradaccum::detail::mpi::bucket_elements<float> << " floats, "
-                    << gradaccum::detail::mpi::bucket_elements<double> << " doubles");
+  INFO("buckets of " << bucket_bytes << " bytes");
   // Segments of 3, 17, 4 and 10 elements padded to 16, 32, 16 and 16: "skipped" (present nowhere)
   // lies between the reduced ones, "absent" after them. With small buckets (11 floats, 5 doubles)
   // the reduced range, 74 elements, ends with a bucket of 8 floats or 4 doubles: not a multiple
@@ -218,8 +218,8 @@ TEST_CASE_TEMPLATE("buckets ending inside segments and in padding give exact val
       gradaccum::weighted_gradients_accumulator<B> window(dtype, 2.0);
       window.accumulate_sum(params, grads, 1.0);
       auto sums = window.finish_sums();
-      const auto mean = blocking ? gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD)
-                                 : gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).wait();
+      const auto mean = blocking ? gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes)
+                                 : gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes).wait();
       CHECK(mean.gradients.size() == reduced.size());
       CHECK_FALSE(mean.gradients.contains("skipped"));
       CHECK_FALSE(mean.gradients.contains("absent"));
@@ -299,11 +299,52 @@ TEST_CASE_TEMPLATE("mismatched loss scales are an error on every rank, and nothi
   const auto params = parameters<B>();
   auto sums = local_sums(params, float_dtype::f32, world_rank == 0 ? 2.0 : loss_scale);
   check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); }, errc::invalid_state);
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); }, errc::invalid_state);
   check_rejected_unchanged(
-      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
+      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
       errc::invalid_state);
   check_ranks_still_agree(params);
+}
+
+TEST_CASE_TEMPLATE("mismatched bucket sizes are an error on every rank, and nothing is taken", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  if (world_size == 1) return;
+  const auto params = parameters<B>();
+  const std::size_t mine = world_rank == 0 ? bucket_bytes + 4 : bucket_bytes;
+  auto sums = local_sums(params, float_dtype::f32);
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, mine); },
+      errc::invalid_state);
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, mine); },
+      errc::invalid_state);
+  check_ranks_still_agree(params);
+}
+
+TEST_CASE_TEMPLATE("a bucket holds at least one element and at most an MPI count", B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const std::vector<parameter_spec> specs{{"a", {3, 1}}, {"b", {5, 2}}};
+  const auto params = parameters<B>(specs);
+  const auto sums = [&] {
+    gradaccum::gradients_params<B> grads;
+    for (const auto& spec : specs) {
+      std::vector<float> values(*spec.shape.checked_element_count());
+      for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>((world_rank + 1) * (i + 1));
+      grads.insert(spec.id, B::template from_row_major<float>(std::span<const float>(values), spec.shape, {}));
+    }
+    gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+    window.accumulate_sum(params, grads, 1.0);
+    return window.finish_sums();
+  };
+  const auto reference = gradaccum::allreduce_mean(params, sums(), MPI_COMM_WORLD);
+  // 0 and 3 bytes: one float per bucket; SIZE_MAX: INT_MAX elements, one bucket.
+  for (const std::size_t bytes : {std::size_t{0}, std::size_t{3}, SIZE_MAX}) {
+    CAPTURE(bytes);
+    GRADACCUM_CHECK_SAME_BITS(record_of(gradaccum::allreduce_mean(params, sums(), MPI_COMM_WORLD, bytes)),
+                              record_of(reference));
+    GRADACCUM_CHECK_SAME_BITS(record_of(gradaccum::start_allreduce_mean(params, sums(), MPI_COMM_WORLD, bytes).wait()),
+                              record_of(reference));
+  }
 }
 
 TEST_CASE_TEMPLATE("mismatched work dtypes are an error on every rank, and nothing is taken", B, BACKENDS) {
@@ -312,7 +353,7 @@ TEST_CASE_TEMPLATE("mismatched work dtypes are an error on every rank, and nothi
   const auto params = parameters<B>();
   auto sums = local_sums(params, world_rank == world_size - 1 ? float_dtype::f64 : float_dtype::f32);
   check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); }, errc::invalid_state);
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); }, errc::invalid_state);
   check_ranks_still_agree(params);
 }
 
@@ -325,9 +366,9 @@ TEST_CASE_TEMPLATE("a zero total weight over all ranks is empty_weight everywher
   auto sums = window.finish_sums();
   CHECK(sums.state.microbatches == 1);
   check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); }, errc::empty_weight);
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); }, errc::empty_weight);
   check_rejected_unchanged(
-      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
+      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
       errc::empty_weight);
   check_ranks_still_agree(params);
 }
@@ -337,7 +378,7 @@ TEST_CASE_TEMPLATE("one rank's malformed sums are its own error there and the sa
   const auto params = parameters<B>();
   const bool culprit = world_rank == 0;  // a rank with tokens, so its sums are otherwise valid
   const auto reduce = [&](gradaccum::accumulated_gradients<B>& sums) {
-    return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
+    return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes);
   };
 
   SUBCASE("a gradient of no parameter") {
@@ -385,7 +426,7 @@ TEST_CASE_TEMPLATE("ranks with different parameter sets are parameter_mismatch e
   window.accumulate_sum(params, gradients_of<B>(2, float_dtype::f32), 12.0);
   auto sums = world_rank == 0 ? window.finish_sums() : local_sums(params, float_dtype::f32);
   check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
       errc::parameter_mismatch);
   check_ranks_still_agree(parameters<B>());
 }
@@ -400,12 +441,12 @@ TEST_CASE_TEMPLATE("summed weights and counts that do not fit are an error on ev
     window.accumulate_sum(params, gradients_of<B>(5, float_dtype::f32), 3e38);
     auto sums = window.finish_sums();
     check_rejected_unchanged(
-        sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); }, errc::invalid_weight);
+        sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); }, errc::invalid_weight);
   }
   SUBCASE("microbatch count beyond 2^64 - 1") {
     gradaccum::accumulated_gradients<B> sums{{}, {float_dtype::f32, loss_scale, 1.0, std::uint64_t{1} << 63}};
     check_rejected_unchanged(
-        sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD); },
+        sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
         errc::counter_overflow);
   }
   check_ranks_still_agree(params);

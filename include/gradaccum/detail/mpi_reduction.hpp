@@ -28,19 +28,12 @@
 #include "gradaccum/records.hpp"
 #include "gradaccum/weighted_gradients_accumulator.hpp"
 
-#ifndef GRADACCUM_MPI_BUCKET_BYTES
-/// Values are summed in collectives of at most this many bytes, each normalized as soon as it
-/// is summed, while it is still in cache; it also bounds each collective's count well below
-/// MPI's `int`, and the non-blocking variant's collectives complete one bucket at a time.
-#define GRADACCUM_MPI_BUCKET_BYTES (std::size_t{4} << 20)
-#endif
-
 namespace gradaccum::detail::mpi {
 
-template <class W>
-inline constexpr std::size_t bucket_elements = std::max<std::size_t>(GRADACCUM_MPI_BUCKET_BYTES / sizeof(W), 1);
-static_assert(bucket_elements<float> <= static_cast<std::size_t>(INT_MAX),
-              "GRADACCUM_MPI_BUCKET_BYTES: a bucket's element count must fit MPI's int");
+/// Elements of W in a bucket of `bytes`: at least one, at most what an MPI count (`int`) holds.
+inline std::size_t bucket_elements(std::size_t bytes, std::size_t element_size) noexcept {
+  return std::clamp<std::size_t>(bytes / element_size, 1, static_cast<std::size_t>(INT_MAX));
+}
 
 /// MPI failures only reach here under `MPI_ERRORS_RETURN`; the default handler aborts the job.
 inline void check(int code, const char* call) {
@@ -86,6 +79,7 @@ struct agreement {
   word_range dtype;
   word_range loss_scale;  // bit pattern of the double
   word_range present;     // how many parameters have a gradient
+  word_range bucket;      // bytes per bucket of the value collectives (0 where there are none)
   double total_weight = 0.0;
   std::uint64_t microbatches = 0;  // saturating sum: saturation means overflow
   std::uint64_t non_finite = 0;    // 1 when some rank's sums hold a NaN or an infinity (if checked)
@@ -97,6 +91,7 @@ struct agreement {
     dtype.combine(other.dtype);
     loss_scale.combine(other.loss_scale);
     present.combine(other.present);
+    bucket.combine(other.bucket);
     total_weight += other.total_weight;
     microbatches = other.microbatches > std::numeric_limits<std::uint64_t>::max() - microbatches
                        ? std::numeric_limits<std::uint64_t>::max()
@@ -326,6 +321,10 @@ inline void check_agreement(const agreement& agreed) {
                                   std::string(to_string(static_cast<float_dtype>(agreed.dtype.max))) +
                                   "); nothing was reduced.");
   }
+  if (!agreed.bucket.agreed()) {
+    fail(errc::invalid_state, "ranks asked for different bucket sizes (" + std::to_string(agreed.bucket.min()) +
+                                  " and " + std::to_string(agreed.bucket.max) + " bytes); nothing was reduced.");
+  }
   if (!agreed.loss_scale.agreed()) {
     fail(errc::invalid_state,
          "ranks used different loss scales (" + number_text(std::bit_cast<double>(agreed.loss_scale.min())) + " and " +
@@ -351,9 +350,10 @@ inline void check_agreement(const agreement& agreed) {
 /// before the agreement: a failure on one rank is then an error on every rank, never a rank
 /// missing from a collective. With `check_non_finite`, each rank's sums are read for a NaN or an
 /// infinity and the agreement ORs the answers (a reduction whose result no rank holds whole).
+/// Ranks must pass the same `bucket_bytes`, since it cuts the value collectives.
 template <class B, class Reserve>
 agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm, Reserve&& reserve,
-                       bool check_non_finite = false) {
+                       bool check_non_finite = false, std::uint64_t bucket_bytes = 0) {
   int rank = 0;
   check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
 
@@ -379,6 +379,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   agreed.dtype = word_range::of(static_cast<std::uint64_t>(sums.state.dtype));
   agreed.loss_scale = word_range::of(std::bit_cast<std::uint64_t>(sums.state.loss_scale));
   agreed.present = word_range::of(sums.gradients.size());
+  agreed.bucket = word_range::of(bucket_bytes);
   agreed.total_weight = sums.state.total_weight;
   agreed.microbatches = sums.state.microbatches;
   if (check_non_finite && local) {
