@@ -1,7 +1,7 @@
 /// @file
 /// @brief libFuzzer harness for the path users take: `load_checkpoint(path, params,
 /// accumulator)` into pre-filled Eigen and xtensor accumulators, in one format
-/// (GRADACCUM_FUZZ_FORMAT: binary, portable_binary, json or xml).
+/// ($GRADACCUM_FUZZ_FORMAT: binary, portable_binary, json or xml).
 ///
 /// Each input is written to a file and loaded. A rejected load must throw `gradaccum::error`
 /// or `std::filesystem::filesystem_error` and leave the accumulator exactly as it was; an
@@ -22,11 +22,13 @@
 #include <gradaccum/checkpoint.hpp>
 #include <gradaccum/gradaccum.hpp>
 
+#include "fuzz_format.hpp"
+
 namespace {
 
 using namespace gradaccum;
 
-constexpr checkpoint_format format = checkpoint_format::GRADACCUM_FUZZ_FORMAT;
+checkpoint_format format;
 
 /// The parameters of the seed corpus (make_seed_corpus.cpp) that the backend can hold.
 template <class B>
@@ -80,6 +82,11 @@ void load_into(const std::filesystem::path& path) {
 }
 
 }  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
+  format = fuzz::format_from_environment();
+  return 0;
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   static const std::filesystem::path path =

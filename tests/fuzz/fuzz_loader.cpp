@@ -1,6 +1,7 @@
 /// @file
-/// @brief libFuzzer harness for the checkpoint loader of one format (GRADACCUM_FUZZ_FORMAT:
-/// binary, json or xml), built by `-Dfuzz=true` with clang's -fsanitize=fuzzer,address,undefined.
+/// @brief libFuzzer harness for the checkpoint loader of one format ($GRADACCUM_FUZZ_FORMAT:
+/// binary, portable_binary, json or xml), built by `-Dfuzz=true` with clang's
+/// -fsanitize=fuzzer,address,undefined.
 ///
 /// Any input must either load as a valid weighted record that saves and loads back to the same
 /// bytes, or throw `gradaccum::error`; a crash, a sanitizer report, another exception (libFuzzer
@@ -17,9 +18,11 @@
 
 #include <gradaccum/checkpoint.hpp>
 
+#include "fuzz_format.hpp"
+
 namespace {
 
-constexpr gradaccum::checkpoint_format format = gradaccum::checkpoint_format::GRADACCUM_FUZZ_FORMAT;
+gradaccum::checkpoint_format format;
 
 void round_trip(const gradaccum::weighted_gradients_record& record) {
   gradaccum::validate(record);
@@ -30,13 +33,18 @@ void round_trip(const gradaccum::weighted_gradients_record& record) {
 
 }  // namespace
 
+extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
+  format = fuzz::format_from_environment();
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view bytes(reinterpret_cast<const char*>(data), size);
   try {
     round_trip(gradaccum::parse_checkpoint<gradaccum::weighted_gradients_record>(bytes, format));
   } catch (const gradaccum::error&) {
   }
-  if constexpr (format == gradaccum::checkpoint_format::binary) {
+  if (format == gradaccum::checkpoint_format::binary) {
     try {
       std::istringstream in{std::string(bytes)};
       cereal::BinaryInputArchive archive(in);
