@@ -199,7 +199,9 @@ void checksum_only(benchmark::State& state, const window& w) {
   const std::span<const float> in_cache(w.values, piece);
   for (auto _ : state) {
     gradaccum::detail::content_hash hash;
-    for (std::size_t done = 0; done < total; done += piece) hash.add_values(in_cache.first(std::min(piece, total - done)));
+    for (std::size_t done = 0; done < total; done += piece) {
+      hash.add_values(in_cache.first(std::min(piece, total - done)));
+    }
     benchmark::DoNotOptimize(hash.digest());
   }
   state.counters["bytes"] = static_cast<double>(w.bytes());

@@ -251,8 +251,8 @@ TEST_CASE("a window and its dynamic loss scale save in one file and resume toget
   const parameter_set<backend> params = test::window::make_parameters<backend>();
   const auto accumulator = window_after(params, 4);
   const weighted_gradients_record record = accumulator.try_to_record();
-  const dynamic_loss_scale_options options{.init_scale = 0x1.8p-3, .backoff_factor = 0.3, .growth_interval = 7,
-                                           .hysteresis = 3};
+  const dynamic_loss_scale_options options{
+      .init_scale = 0x1.8p-3, .backoff_factor = 0.3, .growth_interval = 7, .hysteresis = 3};
   dynamic_loss_scale scaler(options);
   for (const bool overflow : {true, true, true, false, false}) scaler.update(overflow);  // 0.1875 · 0.3, counters set
   REQUIRE(scaler.state().growth_tracker == 2);

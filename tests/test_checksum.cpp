@@ -27,9 +27,9 @@ std::vector<unsigned char> pattern(std::size_t size) {
 TEST_CASE("content_hash is XXH3-64 of its bytes, whatever pieces they came in") {
   // Around XXH3's thresholds: short inputs, 240 bytes (the midsize limit), a 1,024-byte block, a
   // 256 KiB piece as checkpoints hash, and more.
-  for (const std::size_t size : {std::size_t{0}, std::size_t{1}, std::size_t{16}, std::size_t{17}, std::size_t{240},
-                                 std::size_t{241}, std::size_t{1024}, std::size_t{1025}, std::size_t{262144},
-                                 std::size_t{1000003}}) {
+  for (const std::size_t size :
+       {std::size_t{0}, std::size_t{1}, std::size_t{16}, std::size_t{17}, std::size_t{240}, std::size_t{241},
+        std::size_t{1024}, std::size_t{1025}, std::size_t{262144}, std::size_t{1000003}}) {
     CAPTURE(size);
     const std::vector<unsigned char> bytes = pattern(size);
     const std::uint64_t expected = XXH3_64bits(bytes.data(), bytes.size());

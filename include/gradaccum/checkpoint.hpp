@@ -390,8 +390,9 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
     fail(errc::invalid_record, "checkpoint has " + std::to_string(source.remaining()) + " bytes after its " +
                                    (scale != nullptr ? "record and loss scale" : "record") + "; it is not one " +
                                    std::string(to_string(format)) + " record" +
-                                   (scale != nullptr ? "" : " (a window saved with its dynamic_loss_scale loads with "
-                                                            "load_checkpoint(path, params, accumulator, scaler))") +
+                                   (scale != nullptr ? ""
+                                                     : " (a window saved with its dynamic_loss_scale loads with "
+                                                       "load_checkpoint(path, params, accumulator, scaler))") +
                                    ".");
   }
 }

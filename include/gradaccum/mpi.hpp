@@ -341,8 +341,8 @@ allreduce_mean_request<B> start_allreduce_mean(const parameter_set<B>& params, a
 }
 
 template <class B>
-accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
-                                        MPI_Comm comm, std::size_t bucket_bytes) {
+accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums, MPI_Comm comm,
+                                        std::size_t bucket_bytes) {
   return allreduce_mean_request<B>(params, sums, comm, bucket_bytes, true).wait();
 }
 

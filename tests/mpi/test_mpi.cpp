@@ -85,7 +85,8 @@ TEST_CASE_TEMPLATE("a rank with zero tokens receives the full result and counts 
 TEST_CASE_TEMPLATE("start_allreduce_mean overlaps other work and gives the same result", B, BACKENDS) {
   INFO("rank " << world_rank << " of " << world_size);
   const auto params = parameters<B>();
-  auto request = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD, bucket_bytes);
+  auto request =
+      gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD, bucket_bytes);
   CHECK(request.state().total_weight == 28.0);
   CHECK(request.state().microbatches == step().size());
   const auto expected = single_process_mean(params, float_dtype::f64);  // the overlapped work
@@ -103,12 +104,14 @@ TEST_CASE_TEMPLATE("start_allreduce_mean overlaps other work and gives the same 
   GRADACCUM_CHECK_REJECTED(request.wait(), errc::invalid_state, "");  // NOLINT(bugprone-use-after-move)
 
   {  // waited without a test() first
-    auto direct = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket_bytes);
+    auto direct =
+        gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket_bytes);
     GRADACCUM_CHECK_SAME_BITS(record_of(direct.wait()), record_of(single_process_mean(params, float_dtype::f32)));
   }
 
   {  // dropped without waiting: the destructor waits, and the ranks stay in step
-    auto dropped = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket_bytes);
+    auto dropped =
+        gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket_bytes);
   }
   check_ranks_still_agree(params);
 }
@@ -121,14 +124,16 @@ TEST_CASE_TEMPLATE("reductions in flight together and the caller's own messages 
   int received = 0;
   MPI_Request caller = MPI_REQUEST_NULL;
   MPI_Irecv(&received, 1, MPI_INT, MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &caller);
-  auto first = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket_bytes);
+  auto first =
+      gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket_bytes);
   // The caller's own collective on the same communicator while both are in flight, with test()
   // called on some ranks only: every collective of a request starts in start_allreduce_mean.
   if (world_rank == 0) static_cast<void>(first.test());
   int ranks = 1;
   MPI_Allreduce(MPI_IN_PLACE, &ranks, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   CHECK(ranks == world_size);
-  auto second = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD, bucket_bytes);
+  auto second =
+      gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD, bucket_bytes);
   if (world_rank == world_size - 1) static_cast<void>(second.test());
   const auto second_mean = second.wait();  // taken in the other order than started
   const auto first_mean = first.wait();
@@ -218,8 +223,9 @@ TEST_CASE_TEMPLATE("buckets ending inside segments and in padding give exact val
       gradaccum::weighted_gradients_accumulator<B> window(dtype, 2.0);
       window.accumulate_sum(params, grads, 1.0);
       auto sums = window.finish_sums();
-      const auto mean = blocking ? gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes)
-                                 : gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes).wait();
+      const auto mean =
+          blocking ? gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes)
+                   : gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes).wait();
       CHECK(mean.gradients.size() == reduced.size());
       CHECK_FALSE(mean.gradients.contains("skipped"));
       CHECK_FALSE(mean.gradients.contains("absent"));
@@ -299,7 +305,8 @@ TEST_CASE_TEMPLATE("mismatched loss scales are an error on every rank, and nothi
   const auto params = parameters<B>();
   auto sums = local_sums(params, float_dtype::f32, world_rank == 0 ? 2.0 : loss_scale);
   check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); }, errc::invalid_state);
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
+      errc::invalid_state);
   check_rejected_unchanged(
       sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
       errc::invalid_state);
@@ -353,7 +360,8 @@ TEST_CASE_TEMPLATE("mismatched work dtypes are an error on every rank, and nothi
   const auto params = parameters<B>();
   auto sums = local_sums(params, world_rank == world_size - 1 ? float_dtype::f64 : float_dtype::f32);
   check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); }, errc::invalid_state);
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
+      errc::invalid_state);
   check_ranks_still_agree(params);
 }
 
@@ -366,7 +374,8 @@ TEST_CASE_TEMPLATE("a zero total weight over all ranks is empty_weight everywher
   auto sums = window.finish_sums();
   CHECK(sums.state.microbatches == 1);
   check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); }, errc::empty_weight);
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
+      errc::empty_weight);
   check_rejected_unchanged(
       sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
       errc::empty_weight);
@@ -441,7 +450,8 @@ TEST_CASE_TEMPLATE("summed weights and counts that do not fit are an error on ev
     window.accumulate_sum(params, gradients_of<B>(5, float_dtype::f32), 3e38);
     auto sums = window.finish_sums();
     check_rejected_unchanged(
-        sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); }, errc::invalid_weight);
+        sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
+        errc::invalid_weight);
   }
   SUBCASE("microbatch count beyond 2^64 - 1") {
     gradaccum::accumulated_gradients<B> sums{{}, {float_dtype::f32, loss_scale, 1.0, std::uint64_t{1} << 63}};

@@ -138,7 +138,7 @@ class content_hash {
 
 #ifdef GRADACCUM_XXH3_AVX2
   __attribute__((__target__("avx2"))) static void update_avx2(XXH3_state_t* state, const void* data,
-                                                               std::size_t size) noexcept {
+                                                              std::size_t size) noexcept {
     XXH3_update(state, static_cast<const xxh_u8*>(data), size, XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2);
   }
 #endif
