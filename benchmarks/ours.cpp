@@ -22,6 +22,7 @@
 
 #include <cstring>
 #include <optional>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -163,6 +164,28 @@ void many_small_body(benchmark::State& state, many_small_case c, refill before_c
   state.counters["parameter_bytes"] = static_cast<double>(c.count * c.elements * sizeof(float));
 }
 
+/// The same model with its gradients in a `gradient_buffer`, as a backward pass writing into it
+/// (DDP's gradient-as-bucket-view) leaves them: every parameter present, one pass per call.
+template <class B>
+void many_small_buffer_body(benchmark::State& state, many_small_case c) {
+  small_model<B> model(c, false);
+  gradaccum::gradient_buffer<B> buffer(model.params);
+  for (std::size_t i = 0; i < c.count; ++i) {
+    const std::span<float> segment = buffer.values(i);
+    std::memcpy(segment.data(), model.data(i), segment.size_bytes());
+  }
+  gradaccum::weighted_gradients_accumulator<B> acc(gradaccum::float_dtype::f32, 1.0);
+  acc.accumulate_sum(model.params, buffer, 1.0);
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      acc.accumulate_sum(model.params, buffer, 1.0);
+      benchmark::ClobberMemory();
+    }
+  }
+  state.counters["bytes"] = static_cast<double>(c.count * c.elements * 3 * sizeof(float));
+}
+
 template <class B, class W>
 void finish_body(benchmark::State& state, std::size_t bytes) {
   const std::size_t n = bytes / sizeof(W);
@@ -215,6 +238,7 @@ void register_ours_many_small(const many_small_case& c) {
     add(name + "_bound", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::none, true); });
     add(name + "_reinsert", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::reinsert); });
     add(name + "_rebuild", c.bytes(), [c](benchmark::State& s) { many_small_body<B>(s, c, refill::rebuild); });
+    add(name + "_buffer", c.bytes(), [c](benchmark::State& s) { many_small_buffer_body<B>(s, c); });
   });
 }
 

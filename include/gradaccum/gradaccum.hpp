@@ -8,6 +8,7 @@
 #include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/global_norm.hpp"
+#include "gradaccum/gradient_buffer.hpp"
 #include "gradaccum/gradients_accumulator.hpp"
 #include "gradaccum/gradients_params.hpp"
 #include "gradaccum/kernels.hpp"

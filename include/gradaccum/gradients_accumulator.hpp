@@ -16,6 +16,7 @@
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/flat_gradients.hpp"
+#include "gradaccum/gradient_buffer.hpp"
 #include "gradaccum/gradients_params.hpp"
 #include "gradaccum/kernels.hpp"
 #include "gradaccum/parameter_set.hpp"
@@ -67,6 +68,37 @@ class gradients_accumulator {
 
   /// @brief Validates like an accumulation would, touching nothing.
   void validate(const parameter_set<B>& params, const gradients_params<B>& grads) const { grads.validate_for(params); }
+
+  /// @brief The same three calls over a `gradient_buffer` laid out for `params`: one pass over
+  /// each run of present segments (the whole buffer when every parameter is present), with the
+  /// bits of adding each gradient alone. `accumulate` sums in F64 if T is double or the pending
+  /// sums are F64, else in F32.
+  /// @throws error(errc::parameter_mismatch) when `grads` was laid out for another parameter set
+  /// (or one that has grown since); and what the calls above throw for dtypes and multipliers.
+  template <class T>
+  void accumulate(const parameter_set<B>& params, const gradient_buffer<B, T>& grads) {
+    const bool f64 = std::is_same_v<T, double> || (!pending_.empty() && pending_.dtype() == float_dtype::f64);
+    add(params, grads, 1.0, f64 ? float_dtype::f64 : float_dtype::f32);
+  }
+  template <class T>
+  void accumulate_with_dtype(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, float_dtype dtype) {
+    detail::require_work_dtype(dtype);
+    add(params, grads, 1.0, dtype);
+  }
+  template <class T>
+  void accumulate_scaled(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, double multiplier,
+                         float_dtype dtype) {
+    detail::require_work_dtype(dtype);
+    detail::require_scalar(multiplier, dtype, false);
+    add(params, grads, multiplier, dtype);
+  }
+  template <class T>
+  void validate(const parameter_set<B>& params, const gradient_buffer<B, T>& grads) const {
+    if (!grads.layout().laid_out_for(params)) {
+      detail::fail(errc::parameter_mismatch,
+                   "this gradient_buffer was laid out for another parameter set, or for one that has grown since.");
+    }
+  }
 
   /// @brief The pending sums.
   [[nodiscard]] const flat_gradients<B>& pending() const noexcept { return pending_; }
@@ -274,6 +306,40 @@ class gradients_accumulator {
       });
       buffer.mark_present(position);
     }
+  }
+
+  template <class T>
+  void add(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, double multiplier, float_dtype dtype) {
+    validate(params, grads);
+    if (grads.empty()) return;
+    // The buffer's layout is this set's: adopt it unless one is already in use.
+    std::shared_ptr<const flat_layout<B>> layout = layout_ && layout_->laid_out_for(params) ? layout_ : grads.layout_;
+    std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
+
+    // Commit and add: nothing below can throw. Both buffers have the same segments, so a run of
+    // present segments is one stretch of both, the zero padding between them included.
+    layout_ = layout;
+    pending_.layout_ = std::move(layout);
+    pending_.storage_ = std::move(storage);
+    const flat_layout<B>& segments = *pending_.layout_;
+    detail::flat_storage& buffer = *pending_.storage_;
+    detail::visit_work_dtype(dtype, [&]<class W>() {
+      W* const acc = buffer.data<W>();
+      const T* const g = grads.data_.get();
+      const auto scale = static_cast<W>(multiplier);
+      for (std::size_t first = 0; first < segments.size();) {
+        if (!grads.is_present(first)) {
+          ++first;
+          continue;
+        }
+        std::size_t last = first;
+        while (last + 1 < segments.size() && grads.is_present(last + 1)) ++last;
+        const std::size_t begin = segments[first].offset;
+        kernels::add_scaled(acc + begin, g + begin, segments[last].offset + segments[last].size - begin, scale);
+        for (std::size_t position = first; position <= last; ++position) buffer.mark_present(position);
+        first = last + 1;
+      }
+    });
   }
 
   /// Checks that every pending id is a parameter of `params` with the same shape.

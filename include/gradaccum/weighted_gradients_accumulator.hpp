@@ -81,6 +81,19 @@ class weighted_gradients_accumulator {
     accumulate(params, grads, weight, weight);
   }
 
+  /// @brief `accumulate_sum` of a `gradient_buffer` laid out for `params`: the backward pass
+  /// wrote into it, and the whole microbatch adds in one pass (see `<gradaccum/gradient_buffer.hpp>`).
+  /// Same rules and bits as with the same gradients in a `gradients_params`.
+  template <class T>
+  void accumulate_sum(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, double weight) {
+    accumulate(params, grads, weight, 1.0);
+  }
+  /// @brief `accumulate_mean` of a `gradient_buffer`; as above.
+  template <class T>
+  void accumulate_mean(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, double weight) {
+    accumulate(params, grads, weight, weight);
+  }
+
   /// @brief Returns the pending sums, still multiplied by the loss scale, with the window's
   /// state, and resets the window. For a data-parallel reduction of sums and weights.
   [[nodiscard]] accumulated_gradients<B> finish_sums() noexcept {
@@ -197,7 +210,9 @@ class weighted_gradients_accumulator {
   }
 
  private:
-  void accumulate(const parameter_set<B>& params, const gradients_params<B>& grads, double weight, double multiplier) {
+  /// G: `gradients_params<B>` or a `gradient_buffer<B, T>`.
+  template <class G>
+  void accumulate(const parameter_set<B>& params, const G& grads, double weight, double multiplier) {
     const float_dtype dtype = state_.dtype;
     const bool f32 = dtype == float_dtype::f32;
     if (!(weight >= 0.0) || !representable(weight, dtype) ||
