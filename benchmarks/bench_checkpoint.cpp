@@ -19,7 +19,11 @@
 ///                    so the piece is in cache and the read from memory is the copy's, paid without
 ///                    a checksum too. The peer hashes one cache-resident piece as many times as the
 ///                    window has pieces; its time over `ours_eigen`'s is the checksum's share,
-///                    bound ≤ 5 %.
+///                    bound ≤ 5 %;
+///  - `pieces`, `pieces_hashed` (binary, one tensor) the hand peer's fwrite / fread in those
+///                    256 KiB pieces (loads into one reused buffer, as an accumulator's), without and
+///                    with XXH3-64 after each piece: their difference over `ours_eigen`'s time is the
+///                    checksum's share measured directly, side by side in one run.
 ///
 /// `ckpt_snapshot/binary/1_tensor` measures what save_checkpoint_async costs the calling thread
 /// (`ours_eigen`: until it returns; the write is awaited untimed) against one copy of the pending
@@ -207,6 +211,52 @@ void checksum_only(benchmark::State& state, const window& w) {
   state.counters["bytes"] = static_cast<double>(w.bytes());
 }
 
+/// The hand peer in the pieces a checkpoint copies, each hashed right after (load) or before
+/// (save) its copy when `hashed`.
+void pieces_peer(benchmark::State& state, const window& w, const std::filesystem::path& path, bool save, bool hashed) {
+  const std::size_t total = w.count * w.elements;
+  const std::size_t piece = gradaccum::detail::hashed_block_bytes / sizeof(float);
+  std::vector<float> loaded(save ? 0 : total);
+  if (!save) {
+    std::FILE* file = std::fopen(path.c_str(), "wb");
+    if (file == nullptr || std::fwrite(w.values, sizeof(float), total, file) != total) {
+      state.SkipWithError("cannot write the scratch file");
+    }
+    if (file != nullptr) std::fclose(file);
+  }
+  {
+    alloc_probe probe(state);
+    for (auto _ : state) {
+      std::FILE* file = std::fopen(path.c_str(), save ? "wb" : "rb");
+      if (file == nullptr) {
+        state.SkipWithError("cannot open the scratch file");
+        break;
+      }
+      gradaccum::detail::content_hash hash;
+      for (std::size_t done = 0; done < total; done += piece) {
+        const std::size_t count = std::min(piece, total - done);
+        std::size_t moved = 0;
+        if (save) {
+          const std::span<const float> values(w.values + done, count);
+          if (hashed) hash.add_values(values);
+          moved = std::fwrite(values.data(), sizeof(float), count, file);
+        } else {
+          moved = std::fread(loaded.data() + done, sizeof(float), count, file);
+          if (hashed) hash.add_values(std::span<const float>(loaded.data() + done, count));
+        }
+        if (moved != count) {
+          state.SkipWithError("short read or write");
+          break;
+        }
+      }
+      benchmark::DoNotOptimize(hash.digest());
+      std::fclose(file);
+      benchmark::ClobberMemory();
+    }
+  }
+  state.counters["bytes"] = static_cast<double>(w.bytes());
+}
+
 void ours_snapshot(benchmark::State& state, const window& w, const std::filesystem::path& path) {
   {
     alloc_probe probe(state);
@@ -246,6 +296,10 @@ void register_cases(checkpoint_format format, std::size_t count, std::size_t ele
     });
     if (count == 1 && format == checkpoint_format::binary) {
       add(base + "checksum", bytes, [=](benchmark::State& s) { checksum_only(s, window_of(count, elements)); });
+      for (const bool hashed : {false, true}) {
+        add(base + (hashed ? "pieces_hashed" : "pieces"), bytes,
+            [=](benchmark::State& s) { pieces_peer(s, window_of(count, elements), hand_path, save, hashed); });
+      }
     }
     for (const bool whole : {true, false}) {
       add(base + (whole ? "ours_eigen" : "ours_record"), bytes, [=](benchmark::State& s) {

@@ -286,14 +286,15 @@ class gradients_accumulator {
     }
     if (grads.empty()) return;
 
-    // 2. Allocate what is missing: a layout for this parameter set, a buffer in `dtype`.
-    std::shared_ptr<const flat_layout<B>> layout = layout_for(params);
-    std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
-
-    // 3. Commit and add: nothing below can throw.
-    layout_ = layout;
-    pending_.layout_ = std::move(layout);
-    pending_.storage_ = std::move(storage);
+    // 2. Allocate what is missing: a layout for this parameter set, a buffer in `dtype`; in the
+    //    steady state both are there, and nothing is copied (not even a shared_ptr).
+    if (!steady(params, dtype)) {
+      std::shared_ptr<const flat_layout<B>> layout = layout_for(params);
+      std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
+      layout_ = layout;  // 3. Commit and add: nothing below can throw.
+      pending_.layout_ = std::move(layout);
+      pending_.storage_ = std::move(storage);
+    }
     const flat_layout<B>& segments = *pending_.layout_;
     detail::flat_storage& buffer = *pending_.storage_;
     std::size_t k = 0;
@@ -312,21 +313,30 @@ class gradients_accumulator {
   void add(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, double multiplier, float_dtype dtype) {
     validate(params, grads);
     if (grads.empty()) return;
-    // The buffer's layout is this set's: adopt it unless one is already in use.
-    std::shared_ptr<const flat_layout<B>> layout = layout_ && layout_->laid_out_for(params) ? layout_ : grads.layout_;
-    std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
-
-    // Commit and add: nothing below can throw. Both buffers have the same segments, so a run of
-    // present segments is one stretch of both, the zero padding between them included.
-    layout_ = layout;
-    pending_.layout_ = std::move(layout);
-    pending_.storage_ = std::move(storage);
+    if (!steady(params, dtype)) {
+      // The buffer's layout is this set's: adopt it unless one is already in use.
+      std::shared_ptr<const flat_layout<B>> layout = layout_ && layout_->laid_out_for(params) ? layout_ : grads.layout_;
+      std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
+      layout_ = layout;  // Commit and add: nothing below can throw.
+      pending_.layout_ = std::move(layout);
+      pending_.storage_ = std::move(storage);
+    }
+    // Both buffers have the same segments, so a run of present segments is one stretch of
+    // both, the zero padding between them included.
     const flat_layout<B>& segments = *pending_.layout_;
     detail::flat_storage& buffer = *pending_.storage_;
     detail::visit_work_dtype(dtype, [&]<class W>() {
       W* const acc = buffer.data<W>();
       const T* const g = grads.data_.get();
       const auto scale = static_cast<W>(multiplier);
+      if (grads.size() == segments.size()) {  // every parameter: one pass, the whole buffer
+        kernels::add_scaled(acc, g, segments.elements(), scale);
+        if (buffer.present_count != segments.size()) {
+          std::fill(buffer.present.begin(), buffer.present.end(), std::uint8_t{1});
+          buffer.present_count = segments.size();
+        }
+        return;
+      }
       for (std::size_t first = 0; first < segments.size();) {
         if (!grads.is_present(first)) {
           ++first;
@@ -340,6 +350,13 @@ class gradients_accumulator {
         first = last + 1;
       }
     });
+  }
+
+  /// Whether the pending buffer is laid out for `params` in `dtype` already, so a call adds
+  /// into it as it is.
+  [[nodiscard]] bool steady(const parameter_set<B>& params, float_dtype dtype) const noexcept {
+    return pending_.storage_ && pending_.storage_->dtype == dtype && pending_.layout_ == layout_ &&
+           layout_->laid_out_for(params);
   }
 
   /// Checks that every pending id is a parameter of `params` with the same shape.

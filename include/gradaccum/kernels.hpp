@@ -153,6 +153,10 @@ void add_scaled(W* __restrict acc, const T* __restrict g, std::size_t count, W s
       }
     }
 #endif
+    if (scale == W(1)) {  // accumulate_sum: 1 · x is x, bit for bit (a NaN quieted either way)
+      for (; i < end; ++i) acc[i] = acc[i] + to_work<W>(g[i]);
+      return;
+    }
     for (; i < end; ++i) {
       const W product = scale * to_work<W>(g[i]);
       acc[i] = acc[i] + product;
