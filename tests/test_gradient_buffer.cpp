@@ -10,6 +10,14 @@
 
 #include <doctest/doctest.h>
 
+#if __has_include(<xtensor/containers/xtensor.hpp>)
+#include <xtensor/containers/xadapt.hpp>
+#include <xtensor/containers/xtensor.hpp>
+#else
+#include <xtensor/xadapt.hpp>
+#include <xtensor/xtensor.hpp>
+#endif
+
 #include <gradaccum/backends/eigen.hpp>
 #include <gradaccum/backends/xtensor.hpp>
 #include <gradaccum/gradaccum.hpp>
@@ -179,4 +187,48 @@ TEST_CASE("a double buffer goes into an F64 window, and a plain accumulator take
   GRADACCUM_CHECK_SAME_BITS(from_buffer.try_to_record(), from_params.try_to_record());
   GRADACCUM_CHECK_REJECTED(from_buffer.accumulate_with_dtype(params, buffer, float_dtype::bf16), errc::invalid_dtype,
                            "");
+}
+
+TEST_CASE("a backward pass writes through its own library's views: an Eigen::Map and xt::adapt") {
+  // Eigen: a model's MatrixXf parameter (column-major) and VectorXf bias; the gradient is an
+  // expression assigned into a row-major Map over the segment, as Eigen assigns between orders.
+  {
+    using B = eigen_backend;
+    const Eigen::MatrixXf weight = Eigen::MatrixXf::Zero(2, 3);
+    const Eigen::VectorXf bias = Eigen::VectorXf::Zero(2);
+    parameter_set<B> params;
+    params.add("fc.weight", weight);
+    params.add("fc.bias", bias);
+    gradient_buffer<B> grads(params);
+    using row_major = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    Eigen::MatrixXf g(2, 3);
+    g << 1, 2, 3, 4, 5, 6;
+    Eigen::Map<row_major>(grads.values("fc.weight").data(), 2, 3) = 2.0F * g;
+    Eigen::Map<Eigen::VectorXf>(grads.values("fc.bias").data(), 2) = Eigen::Vector2f(0.5F, -1.0F);
+
+    weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+    window.accumulate_sum(params, grads, 4.0);
+    const auto mean = window.finish_mean(params);
+    const Eigen::MatrixXf expected_weight = 0.5F * g;  // 2 · g over 4 tokens
+    CHECK(Eigen::MatrixXf(*mean.gradients.get<float>("fc.weight")) == expected_weight);
+    CHECK(Eigen::VectorXf(mean.gradients.get<float>("fc.bias")->reshaped()) == Eigen::Vector2f(0.125F, -0.25F));
+  }
+  // xtensor: an xt::xtensor<float, 2> parameter; the gradient written through xt::adapt.
+  {
+    using B = xtensor_backend;
+    const xt::xtensor<float, 2> weight = xt::zeros<float>({2, 3});
+    parameter_set<B> params;
+    params.add("fc.weight", weight);
+    gradient_buffer<B> grads(params);
+    const std::span<float> segment = grads.values("fc.weight");
+    auto view = xt::adapt(segment.data(), segment.size(), xt::no_ownership(), std::vector<std::size_t>{2, 3});
+    const xt::xtensor<float, 2> g = {{1, 2, 3}, {4, 5, 6}};
+    view = 3.0F * g;
+
+    weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+    window.accumulate_sum(params, grads, 3.0);
+    const auto mean = window.finish_mean(params);
+    const std::span<const float> values = mean.gradients.values<float>("fc.weight");
+    CHECK(std::vector<float>(values.begin(), values.end()) == std::vector<float>{1, 2, 3, 4, 5, 6});
+  }
 }

@@ -518,50 +518,61 @@ R load_checkpoint(const std::filesystem::path& path, std::optional<checkpoint_fo
   return record;
 }
 
+namespace detail {
+
+/// `save_checkpoint` of an accumulator, followed by `scaler`'s state when given.
+template <class Accumulator>
+void save_accumulator(const std::filesystem::path& path, const Accumulator& accumulator,
+                      const dynamic_loss_scale* scaler, std::optional<checkpoint_format> format) {
+  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
+  const dynamic_loss_scale_state* scale = scaler != nullptr ? &scaler->state() : nullptr;
+  accumulator.visit_record([&](const auto& view) { save_file(path, view, resolved, scale); });
+}
+
+/// `load_checkpoint` into an accumulator, and into `scaler` when given (the file must then hold
+/// its state, else must not); both change only once everything loaded and validated.
+template <class Accumulator, class B>
+void load_accumulator(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
+                      dynamic_loss_scale* scaler, std::optional<checkpoint_format> format) {
+  using record_type = decltype(accumulator.try_to_record());
+  using restorer = typename Accumulator::restorer;
+  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
+  restorer sink(accumulator, params);
+  into_for<record_type, restorer> into{&sink};
+  std::optional<dynamic_loss_scale> restored;
+  read_file(path, resolved, [&](sized_streambuf& source, std::string_view text) {
+    dynamic_loss_scale_state state;
+    read_into<record_type>(source, text, resolved, into, scaler != nullptr ? &state : nullptr);
+    if (scaler != nullptr) restored.emplace(scaler->options(), state);  // an unreachable state throws here
+  });
+  std::move(sink).commit();  // neither of these two can throw
+  if (scaler != nullptr) *scaler = *restored;
+}
+
+}  // namespace detail
+
 template <checkpointable Accumulator>
 void save_checkpoint(const std::filesystem::path& path, const Accumulator& accumulator,
                      std::optional<checkpoint_format> format) {
-  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
-  accumulator.visit_record([&](const auto& view) { detail::save_file(path, view, resolved); });
+  detail::save_accumulator(path, accumulator, nullptr, format);
 }
 
 template <checkpointable Accumulator, class B>
 void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
                      std::optional<checkpoint_format> format) {
-  using record_type = decltype(accumulator.try_to_record());
-  using restorer = typename Accumulator::restorer;
-  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
-  restorer sink(accumulator, params);
-  detail::into_for<record_type, restorer> into{&sink};
-  detail::read_file(path, resolved, [&](detail::sized_streambuf& source, std::string_view text) {
-    detail::read_into<record_type>(source, text, resolved, into);
-  });
-  std::move(sink).commit();
+  detail::load_accumulator(path, params, accumulator, nullptr, format);
 }
 
 template <checkpointable Accumulator>
 void save_checkpoint(const std::filesystem::path& path, const Accumulator& accumulator,
                      const dynamic_loss_scale& scaler, std::optional<checkpoint_format> format) {
-  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
-  accumulator.visit_record([&](const auto& view) { detail::save_file(path, view, resolved, &scaler.state()); });
+  detail::save_accumulator(path, accumulator, &scaler, format);
 }
 
 template <checkpointable Accumulator, class B>
 void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
                      dynamic_loss_scale& scaler, std::optional<checkpoint_format> format) {
-  using record_type = decltype(accumulator.try_to_record());
-  using restorer = typename Accumulator::restorer;
-  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
-  restorer sink(accumulator, params);
-  detail::into_for<record_type, restorer> into{&sink};
-  std::optional<dynamic_loss_scale> restored;
-  detail::read_file(path, resolved, [&](detail::sized_streambuf& source, std::string_view text) {
-    dynamic_loss_scale_state state;
-    detail::read_into<record_type>(source, text, resolved, into, &state);
-    restored.emplace(scaler.options(), state);  // a state these options cannot reach throws here
-  });
-  std::move(sink).commit();  // neither of these two can throw
-  scaler = *restored;
+  detail::load_accumulator(path, params, accumulator, &scaler, format);
 }
 
 template <checkpoint_record R>

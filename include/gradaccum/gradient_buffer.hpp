@@ -92,12 +92,8 @@ class gradient_buffer {
   template <class>
   friend class gradients_accumulator;
 
-  struct free_deleter {
-    void operator()(T* p) const noexcept { std::free(p); }
-  };
-
   std::shared_ptr<const flat_layout<B>> layout_;
-  std::unique_ptr<T, free_deleter> data_;
+  std::unique_ptr<T, detail::free_deleter> data_;
   std::vector<std::uint8_t> present_;  // per segment
   std::size_t present_count_ = 0;
 };

@@ -286,15 +286,9 @@ class gradients_accumulator {
     }
     if (grads.empty()) return;
 
-    // 2. Allocate what is missing: a layout for this parameter set, a buffer in `dtype`; in the
-    //    steady state both are there, and nothing is copied (not even a shared_ptr).
-    if (!steady(params, dtype)) {
-      std::shared_ptr<const flat_layout<B>> layout = layout_for(params);
-      std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
-      layout_ = layout;  // 3. Commit and add: nothing below can throw.
-      pending_.layout_ = std::move(layout);
-      pending_.storage_ = std::move(storage);
-    }
+    // 2. Allocate what is missing: a layout for this parameter set, a buffer in `dtype`.
+    // 3. Commit and add: nothing below can throw.
+    prepare(params, dtype);
     const flat_layout<B>& segments = *pending_.layout_;
     detail::flat_storage& buffer = *pending_.storage_;
     std::size_t k = 0;
@@ -313,14 +307,7 @@ class gradients_accumulator {
   void add(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, double multiplier, float_dtype dtype) {
     validate(params, grads);
     if (grads.empty()) return;
-    if (!steady(params, dtype)) {
-      // The buffer's layout is this set's: adopt it unless one is already in use.
-      std::shared_ptr<const flat_layout<B>> layout = layout_ && layout_->laid_out_for(params) ? layout_ : grads.layout_;
-      std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
-      layout_ = layout;  // Commit and add: nothing below can throw.
-      pending_.layout_ = std::move(layout);
-      pending_.storage_ = std::move(storage);
-    }
+    prepare(params, dtype, grads.layout_);  // the buffer's layout is this set's; then nothing throws
     // Both buffers have the same segments, so a run of present segments is one stretch of
     // both, the zero padding between them included.
     const flat_layout<B>& segments = *pending_.layout_;
@@ -352,11 +339,22 @@ class gradients_accumulator {
     });
   }
 
-  /// Whether the pending buffer is laid out for `params` in `dtype` already, so a call adds
-  /// into it as it is.
-  [[nodiscard]] bool steady(const parameter_set<B>& params, float_dtype dtype) const noexcept {
-    return pending_.storage_ && pending_.storage_->dtype == dtype && pending_.layout_ == layout_ &&
-           layout_->laid_out_for(params);
+  /// Makes the pending buffer one laid out for `params` in `dtype`: in the steady state it is
+  /// already, and nothing is copied (not even a shared_ptr); else a layout (the current one, or
+  /// `laid_out` when given and the current one is not this set's, or a new one) and a writable
+  /// buffer are made first and committed after, so a failure changes nothing.
+  void prepare(const parameter_set<B>& params, float_dtype dtype,
+               const std::shared_ptr<const flat_layout<B>>& laid_out = nullptr) {
+    if (pending_.storage_ && pending_.storage_->dtype == dtype && pending_.layout_ == layout_ &&
+        layout_->laid_out_for(params)) {
+      return;
+    }
+    std::shared_ptr<const flat_layout<B>> layout =
+        laid_out && !(layout_ && layout_->laid_out_for(params)) ? laid_out : layout_for(params);
+    std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
+    layout_ = layout;
+    pending_.layout_ = std::move(layout);
+    pending_.storage_ = std::move(storage);
   }
 
   /// Checks that every pending id is a parameter of `params` with the same shape.

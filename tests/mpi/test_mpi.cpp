@@ -299,17 +299,23 @@ TEST_CASE("normalize has kernels::divide's bits, with and without power-of-two d
   }
 }
 
+/// Checks that `allreduce_mean` and `start_allreduce_mean` (buckets of `bytes`) both throw `code`
+/// on this rank and leave `sums` as they were.
+template <class B>
+void check_both_rejected(const gradaccum::parameter_set<B>& params, gradaccum::accumulated_gradients<B>& sums,
+                         errc code, std::size_t bytes = bucket_bytes) {
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bytes); }, code);
+  check_rejected_unchanged(
+      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bytes); }, code);
+}
+
 TEST_CASE_TEMPLATE("mismatched loss scales are an error on every rank, and nothing is taken", B, BACKENDS) {
   INFO("rank " << world_rank << " of " << world_size);
   if (world_size == 1) return;  // one rank always agrees with itself
   const auto params = parameters<B>();
   auto sums = local_sums(params, float_dtype::f32, world_rank == 0 ? 2.0 : loss_scale);
-  check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
-      errc::invalid_state);
-  check_rejected_unchanged(
-      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
-      errc::invalid_state);
+  check_both_rejected(params, sums, errc::invalid_state);
   check_ranks_still_agree(params);
 }
 
@@ -319,12 +325,7 @@ TEST_CASE_TEMPLATE("mismatched bucket sizes are an error on every rank, and noth
   const auto params = parameters<B>();
   const std::size_t mine = world_rank == 0 ? bucket_bytes + 4 : bucket_bytes;
   auto sums = local_sums(params, float_dtype::f32);
-  check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, mine); },
-      errc::invalid_state);
-  check_rejected_unchanged(
-      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, mine); },
-      errc::invalid_state);
+  check_both_rejected(params, sums, errc::invalid_state, mine);
   check_ranks_still_agree(params);
 }
 
@@ -373,12 +374,7 @@ TEST_CASE_TEMPLATE("a zero total weight over all ranks is empty_weight everywher
   window.accumulate_sum(params, gradients_of<B>(3, float_dtype::f32), 0.0);
   auto sums = window.finish_sums();
   CHECK(sums.state.microbatches == 1);
-  check_rejected_unchanged(
-      sums, [&] { return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
-      errc::empty_weight);
-  check_rejected_unchanged(
-      sums, [&] { return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket_bytes); },
-      errc::empty_weight);
+  check_both_rejected(params, sums, errc::empty_weight);
   check_ranks_still_agree(params);
 }
 
