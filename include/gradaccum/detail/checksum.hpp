@@ -27,7 +27,16 @@
 #define GRADACCUM_XXH3_AVX2 1
 #endif
 #define XXH_INLINE_ALL
+// GCC 12 reports its own AVX-512 intrinsics (`_mm512_undefined_epi32`) as maybe uninitialized
+// when xxHash inlines them under -mavx512f (e.g. -march=native on a recent x86): a false positive.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <xxhash.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 namespace gradaccum::detail {
 
