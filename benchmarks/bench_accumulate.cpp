@@ -45,7 +45,7 @@ void hand(benchmark::State& state, accumulate_case c) {
 
 #ifdef GA_BENCH_HAVE_F16C
 /// F16 through the F16C conversion instruction (8 per vcvtph2ps): the hardware's limit for
-/// F16 inputs, shown for information next to the bit-level `hand` loop (the reference).
+/// F16 inputs, shown for information next to the bit-level `hand` loop (the target's reference).
 [[gnu::noinline]] void hand_f16c_accumulate(float* __restrict acc, const std::uint16_t* __restrict g, std::size_t n,
                                             float scale) noexcept {
   const __m256 s = _mm256_set1_ps(scale);

@@ -27,7 +27,7 @@
 ///
 /// `ckpt_snapshot/binary/1_tensor` measures what save_checkpoint_async costs the calling thread
 /// (`ours_eigen`: until it returns; the write is awaited untimed) against one copy of the pending
-/// bytes into a fresh buffer (`hand`: new + memcpy), the bound.
+/// bytes into a fresh buffer (`hand`: new + memcpy), the bound it must stay within.
 
 #include <algorithm>
 #include <cstdio>
