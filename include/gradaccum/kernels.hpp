@@ -120,64 +120,14 @@ void for_ranges(std::size_t count, F&& body) noexcept {
 namespace gradaccum::kernels {
 
 // GCC contracts `acc + scale * g` into an FMA under -march=native even in ISO mode, which
-// rounds once instead of twice and breaks the contract (and cross-backend bit identity).
+// rounds once instead of twice and breaks the contract (and cross-backend bit identity). And at
+// -O2 its "very cheap" vectorizer cost model leaves every loop below scalar (their trip count
+// is known only at run time): 8-12x slower than -O3 in cache. The kernels are vectorized
+// whatever the optimization level; vectorizing an elementwise loop changes no bits.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
+#pragma GCC optimize("fp-contract=off", "tree-vectorize", "vect-cost-model=dynamic")
 #endif
-}  // namespace gradaccum::kernels
-
-namespace gradaccum::detail {
-
-/// Runs `body(i)` for i in [begin, end): in blocks of 16, a trip count the compiler knows, so the
-/// loop vectorizes at -O2 as well (GCC's -O2 cost model leaves loops of unknown length scalar),
-/// then one at a time for the rest. `body` is elementwise, so the bits are the same either way.
-template <class F>
-void for_blocks(std::size_t begin, std::size_t end, F&& body) noexcept {
-  constexpr std::size_t block = 16;
-  std::size_t i = begin;
-  for (; i + block <= end; i += block) {
-    for (std::size_t j = 0; j < block; ++j) body(i + j);
-  }
-  for (; i < end; ++i) body(i);
-}
-
-}  // namespace gradaccum::detail
-
-namespace gradaccum::kernels {
-
-/// `add_scaled` over one thread's range.
-template <class W, element_type T>
-void add_scaled_range(W* __restrict acc, const T* __restrict g, std::size_t count, W scale) noexcept {
-  GRADACCUM_NO_FP_CONTRACT
-  std::size_t i = 0;
-#ifdef __F16C__
-  if constexpr (dtype_of<T> == float_dtype::f16) {
-    for (; i + 8 <= count; i += 8) {
-      const __m256 widened = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i)));
-      if constexpr (std::is_same_v<W, float>) {
-        const __m256 product = _mm256_mul_ps(_mm256_set1_ps(scale), widened);
-        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), product));
-      } else {
-        const __m256d factor = _mm256_set1_pd(scale);
-        const __m256d low = _mm256_mul_pd(factor, _mm256_cvtps_pd(_mm256_castps256_ps128(widened)));
-        const __m256d high = _mm256_mul_pd(factor, _mm256_cvtps_pd(_mm256_extractf128_ps(widened, 1)));
-        _mm256_storeu_pd(acc + i, _mm256_add_pd(_mm256_loadu_pd(acc + i), low));
-        _mm256_storeu_pd(acc + i + 4, _mm256_add_pd(_mm256_loadu_pd(acc + i + 4), high));
-      }
-    }
-  }
-#endif
-  if (scale == W(1)) {  // accumulate_sum: 1 · x is x, bit for bit (a NaN quieted either way)
-    gradaccum::detail::for_blocks(i, count, [=](std::size_t k) noexcept { acc[k] = acc[k] + to_work<W>(g[k]); });
-    return;
-  }
-  gradaccum::detail::for_blocks(i, count, [=](std::size_t k) noexcept {
-    const W product = scale * to_work<W>(g[k]);
-    acc[k] = acc[k] + product;
-  });
-}
-
 /// @brief `acc[i] = acc[i] + scale · W(g[i])` for i in [0, count).
 ///
 /// Where the compiler targets F16C (e.g. -march=native on x86-64 since 2012), F16 gradients are
@@ -187,7 +137,33 @@ void add_scaled_range(W* __restrict acc, const T* __restrict g, std::size_t coun
 template <class W, element_type T>
 void add_scaled(W* __restrict acc, const T* __restrict g, std::size_t count, W scale) noexcept {
   gradaccum::detail::for_ranges(count, [=](std::size_t begin, std::size_t end) noexcept {
-    add_scaled_range(acc + begin, g + begin, end - begin, scale);
+    GRADACCUM_NO_FP_CONTRACT
+    std::size_t i = begin;
+#ifdef __F16C__
+    if constexpr (dtype_of<T> == float_dtype::f16) {
+      for (; i + 8 <= end; i += 8) {
+        const __m256 widened = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i)));
+        if constexpr (std::is_same_v<W, float>) {
+          const __m256 product = _mm256_mul_ps(_mm256_set1_ps(scale), widened);
+          _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), product));
+        } else {
+          const __m256d factor = _mm256_set1_pd(scale);
+          const __m256d low = _mm256_mul_pd(factor, _mm256_cvtps_pd(_mm256_castps256_ps128(widened)));
+          const __m256d high = _mm256_mul_pd(factor, _mm256_cvtps_pd(_mm256_extractf128_ps(widened, 1)));
+          _mm256_storeu_pd(acc + i, _mm256_add_pd(_mm256_loadu_pd(acc + i), low));
+          _mm256_storeu_pd(acc + i + 4, _mm256_add_pd(_mm256_loadu_pd(acc + i + 4), high));
+        }
+      }
+    }
+#endif
+    if (scale == W(1)) {  // accumulate_sum: 1 · x is x, bit for bit (a NaN quieted either way)
+      for (; i < end; ++i) acc[i] = acc[i] + to_work<W>(g[i]);
+      return;
+    }
+    for (; i < end; ++i) {
+      const W product = scale * to_work<W>(g[i]);
+      acc[i] = acc[i] + product;
+    }
   });
 }
 
@@ -227,7 +203,10 @@ void add_scaled_plane(W* __restrict acc, std::ptrdiff_t acc_row, const T* __rest
       }
       for (std::size_t r = 0; r < tile_rows; ++r) {
         W* out = acc + static_cast<std::ptrdiff_t>(r0 + r) * acc_row + static_cast<std::ptrdiff_t>(c0);
-        add_scaled_range(out, scratch[r], tile_cols, scale);
+        for (std::size_t c = 0; c < tile_cols; ++c) {
+          const W product = scale * to_work<W>(scratch[r][c]);
+          out[c] = out[c] + product;
+        }
       }
     }
   }
@@ -351,7 +330,7 @@ double sum_of_squares(const W* x, std::size_t count) noexcept {
 template <class W>
 void divide(W* x, std::size_t count, W first, W second) noexcept {
   gradaccum::detail::for_ranges(count, [=](std::size_t begin, std::size_t end) noexcept {
-    gradaccum::detail::for_blocks(begin, end, [=](std::size_t i) noexcept { x[i] = x[i] / first / second; });
+    for (std::size_t i = begin; i < end; ++i) x[i] = x[i] / first / second;
   });
 }
 
@@ -359,7 +338,7 @@ void divide(W* x, std::size_t count, W first, W second) noexcept {
 template <element_type T>
 bool all_finite(const T* x, std::size_t count) noexcept {
   bool finite = true;
-  gradaccum::detail::for_blocks(0, count, [&](std::size_t i) noexcept {
+  for (std::size_t i = 0; i < count; ++i) {
     const float_dtype dtype = dtype_of<T>;
     if constexpr (dtype == float_dtype::f32 || dtype == float_dtype::f64) {
       finite &= (x[i] - x[i]) == (x[i] - x[i]);  // NaN for inf and NaN inputs
@@ -368,7 +347,7 @@ bool all_finite(const T* x, std::size_t count) noexcept {
       const std::uint16_t exponent = dtype == float_dtype::f16 ? 0x7c00U : 0x7f80U;
       finite &= (bits & exponent) != exponent;
     }
-  });
+  }
   return finite;
 }
 
@@ -376,7 +355,7 @@ bool all_finite(const T* x, std::size_t count) noexcept {
 /// rounding to nearest for F64 → F32.
 template <class To, element_type From>
 void convert(To* __restrict out, const From* __restrict in, std::size_t count) noexcept {
-  gradaccum::detail::for_blocks(0, count, [=](std::size_t i) noexcept { out[i] = to_work<To>(in[i]); });
+  for (std::size_t i = 0; i < count; ++i) out[i] = to_work<To>(in[i]);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
