@@ -4,6 +4,7 @@
 /// without blocking, long names save, length fields cannot make a load allocate, and XML
 /// numbers parse strictly.
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <cstdint>
@@ -283,5 +284,68 @@ TEST_CASE("a binary checkpoint holds a window's values as one block, straight fr
     CHECK(bytes.size() > directory + block.size());
     CHECK(bytes.size() < directory + block.size() + 128);  // the state, counts and checksums
     acc.load_record(params, saved);                        // finish_sums took the window
+  }
+}
+
+TEST_CASE("large values are hashed while they load: a changed bit anywhere is refused, nothing changes") {
+  // 3,000,001 floats (over 8 MiB, so a worker thread hashes them as the pieces arrive; an odd
+  // count, so the last piece and the last hand-off are partial) beside a small tensor.
+  constexpr std::size_t large = 3'000'001;
+  parameter_set<eigen_backend> params;
+  params.add("a.small", tensor_shape{3}, {});
+  params.add("b.large", tensor_shape{large}, {});
+  Eigen::VectorXf small(3);
+  small << 1.5F, -2.0F, 0.25F;
+  Eigen::VectorXf big(static_cast<Eigen::Index>(large));
+  for (Eigen::Index i = 0; i < big.size(); ++i) big[i] = static_cast<float>(i % 1000) * 0.125F - 7.0F;
+  gradients_params<eigen_backend> both;
+  both.insert("a.small", small);
+  both.insert("b.large", big);
+  gradients_params<eigen_backend> only_small;
+  only_small.insert("a.small", small);
+
+  weighted_gradients_accumulator<eigen_backend> full(float_dtype::f32, 1.0);
+  full.accumulate_sum(params, both, 4);
+  weighted_gradients_accumulator<eigen_backend> sparse(float_dtype::f32, 1.0);
+  sparse.accumulate_sum(params, only_small, 2);
+  const scratch_dir dir;
+  const fs::path full_path = dir.path / "full.bin";
+  const fs::path sparse_path = dir.path / "sparse.bin";
+  save_checkpoint(full_path, full);
+  save_checkpoint(sparse_path, sparse);
+
+  weighted_gradients_accumulator<eigen_backend> restored(float_dtype::f32, 1.0);
+  for (int round = 0; round < 3; ++round) {  // the third load reuses the first's buffer
+    load_checkpoint(full_path, params, restored);
+    CHECK(restored.try_to_record() == full.try_to_record());
+  }
+  // A reused buffer is not zeroed before a load writes it: what the sparse file does not hold
+  // must still read as absent and zero afterwards.
+  load_checkpoint(sparse_path, params, restored);
+  load_checkpoint(sparse_path, params, restored);
+  CHECK(restored.try_to_record() == sparse.try_to_record());
+  const std::span<const float> flat = restored.pending().flat<float>();
+  const std::size_t large_offset = (*restored.pending().layout())[1].offset;
+  CHECK(std::all_of(flat.begin() + static_cast<std::ptrdiff_t>(large_offset), flat.end(),
+                    [](float x) { return std::bit_cast<std::uint32_t>(x) == 0; }));
+
+  const std::string bytes = read_text(full_path);
+  const float first = big[0] * 1.0F;
+  const std::size_t values_at = bytes.find(std::string(reinterpret_cast<const char*>(&first), sizeof first));
+  REQUIRE(values_at != std::string::npos);
+  const weighted_gradients_record before = restored.try_to_record();
+  for (const std::size_t element : {std::size_t{0}, large / 2, large - 1}) {
+    CAPTURE(element);
+    std::string flipped = bytes;
+    flipped[values_at + element * sizeof(float) + 1] ^= 0x10;
+    const fs::path path = dir.path / "flipped.bin";
+    std::ofstream(path, std::ios::binary) << flipped;
+    try {
+      load_checkpoint(path, params, restored);
+      FAIL("the changed file loaded");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::invalid_record);
+    }
+    CHECK(restored.try_to_record() == before);
   }
 }

@@ -62,18 +62,21 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <istream>
 #include <limits>
+#include <new>
 #include <optional>
 #include <span>
 #include <stdexcept>
 #include <streambuf>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <type_traits>
 #include <typeinfo>
 #include <utility>
@@ -607,8 +610,15 @@ template <class Archive>
 void check_checksum(Archive& ar, const load_site& site, std::uint64_t computed);
 
 /// Values go through the hash and the archive in blocks of this many bytes, so a block is
-/// still in cache when the second pass reads it.
-inline constexpr std::size_t hashed_block_bytes = std::size_t{1} << 18;
+/// still in the core's own cache when the second pass reads it: measured on a 64 MiB load from
+/// the page cache, `read` + hash in 32 KiB pieces costs what `read` alone does, while in 256 KiB
+/// pieces the hash adds about 10 % (the kernel's copy has left the piece's start behind).
+inline constexpr std::size_t hashed_block_bytes = std::size_t{1} << 15;
+
+/// Values from this size on are hashed on a worker thread while the next pieces are read (see
+/// `background_hash`): XXH3 takes about 1.5 ms for 64 MiB, 8 % of a load from the page cache,
+/// against some 50 us to start a thread.
+inline constexpr std::size_t background_hash_bytes = std::size_t{8} << 20;
 
 // ---- The directory of a binary gradients record ------------------------------------------------
 //
@@ -886,11 +896,24 @@ class values_reader {
       if (hash_ != nullptr) hash_->add_text_values(std::span<const S>(out));
     } else {
       constexpr std::size_t block = hashed_block_bytes / sizeof(S);
+      std::optional<background_hash> behind;
+      if (hash_ != nullptr && out.size_bytes() >= background_hash_bytes && std::endian::native == std::endian::little) {
+        try {
+          behind.emplace(*hash_, out.data(), out.size_bytes());
+        } catch (const std::system_error&) {  // no thread to spare: hash inline
+        } catch (const std::bad_alloc&) {    // nor memory for one
+        }
+      }
       for (std::size_t done = 0; done < out.size(); done += block) {
         const std::span<S> piece = out.subspan(done, std::min(block, out.size() - done));
         ar_(cereal::binary_data(piece.data(), piece.size_bytes()));
-        if (hash_ != nullptr) hash_->add_values(std::span<const S>(piece));
+        if (behind) {
+          behind->filled((done + piece.size()) * sizeof(S));
+        } else if (hash_ != nullptr) {
+          hash_->add_values(std::span<const S>(piece));
+        }
       }
+      if (behind) behind->finish();
     }
   }
 

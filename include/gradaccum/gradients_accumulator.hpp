@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <span>
@@ -202,8 +203,7 @@ class gradients_accumulator {
                          std::string(to_string(storage_->dtype)) + " came before it; a window has one work dtype.",
                      id);
       }
-      if (!storage_) storage_ = target_->recycle(layout_, dtype);
-      if (!storage_) storage_ = detail::flat_storage::allocate(dtype, layout_->elements(), layout_->size());
+      if (!storage_) take_storage(dtype);
       if (storage_->present[*position] != 0) {
         detail::fail(errc::invalid_record, "record lists tensor '" + id + "' twice.", id);
       }
@@ -223,6 +223,13 @@ class gradients_accumulator {
     }
 
     void commit() && noexcept {
+      // A recycled buffer was not zeroed when taken: the segments it held and this load did not
+      // overwrite are zeroed now (absent segments are zero).
+      for (std::size_t position = 0; position < stale_.size(); ++position) {
+        if (stale_[position] == 0 || storage_->present[position] != 0) continue;
+        const flat_segment<B>& s = (*layout_)[position];
+        std::memset(storage_->bytes.get() + s.offset * storage_->element_size(), 0, s.size * storage_->element_size());
+      }
       if (layout_) target_->layout_ = layout_;
       target_->remember(target_->pending_);  // the buffer replaced serves a later load or window
       // The layout is chosen before the storage is moved: argument evaluation order is unspecified.
@@ -231,6 +238,20 @@ class gradients_accumulator {
     }
 
    private:
+    /// A buffer for the values: a recycled one, taken as it is (every value the load writes
+    /// overwrites it, so zeroing it first would write the whole window twice), else a new one.
+    void take_storage(float_dtype dtype) {
+      std::vector<std::uint8_t> absent(layout_->size(), 0);  // may throw: nothing is taken yet
+      storage_ = target_->recycle(layout_, dtype, false);
+      if (!storage_) {
+        storage_ = detail::flat_storage::allocate(dtype, layout_->elements(), layout_->size());
+        return;
+      }
+      storage_->present.swap(absent);
+      stale_ = std::move(absent);
+      storage_->present_count = 0;
+    }
+
     /// The parameter `id` names. Records list tensors sorted by id, the layout's `by_id()`
     /// order, so the walk along it finds each with a comparison or two; ids out of that order
     /// are looked up.
@@ -247,6 +268,7 @@ class gradients_accumulator {
     std::optional<float_dtype> expected_;
     std::shared_ptr<const flat_layout<B>> layout_;
     std::shared_ptr<detail::flat_storage> storage_;
+    std::vector<std::uint8_t> stale_;  // segments a recycled storage_ held values in when taken
   };
 
  private:
@@ -425,12 +447,12 @@ class gradients_accumulator {
   }
 
   /// A buffer handed out by `grads()` or replaced by a load that nobody else holds any more,
-  /// cleared; else null.
-  std::shared_ptr<detail::flat_storage> recycle(const std::shared_ptr<const flat_layout<B>>& layout,
-                                                float_dtype dtype) noexcept {
+  /// cleared (unless `cleared` is false: its present segments keep their values); else null.
+  std::shared_ptr<detail::flat_storage> recycle(const std::shared_ptr<const flat_layout<B>>& layout, float_dtype dtype,
+                                                bool cleared = true) noexcept {
     for (auto& [laid_out_with, storage] : recycled_) {
       if (storage && storage.use_count() == 1 && laid_out_with == layout && storage->dtype == dtype) {
-        storage->clear(*layout);
+        if (cleared) storage->clear(*layout);
         return std::exchange(storage, nullptr);
       }
     }

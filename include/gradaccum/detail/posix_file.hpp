@@ -128,8 +128,8 @@ class file_sink final : public std::streambuf {
   int error_ = 0;
 };
 
-/// @brief Reads a regular file through a 64 KiB buffer; reads at least as large as the buffer
-/// (bulk values) go straight into the destination. Knows how many bytes remain.
+/// @brief Reads a regular file through a 64 KiB buffer; reads of 16 KiB or more (bulk values) go
+/// straight into the destination. Knows how many bytes remain.
 class file_source final : public sized_streambuf {
  public:
   /// @throws std::filesystem::filesystem_error when the file cannot be opened or is not regular.
@@ -180,7 +180,9 @@ class file_source final : public sized_streambuf {
     std::size_t done = std::min(wanted, static_cast<std::size_t>(egptr() - gptr()));
     std::memcpy(data, gptr(), done);
     gbump(static_cast<int>(done));
-    if (wanted - done >= buffer_size) return static_cast<std::streamsize>(done + read_some(data + done, wanted - done));
+    if (wanted >= direct_read_bytes) {  // the rest, however short, so the buffer stays empty
+      return static_cast<std::streamsize>(done + read_some(data + done, wanted - done));
+    }
     while (done < wanted && !traits_type::eq_int_type(underflow(), traits_type::eof())) {
       const std::size_t step = std::min(wanted - done, static_cast<std::size_t>(egptr() - gptr()));
       std::memcpy(data + done, gptr(), step);
@@ -192,6 +194,10 @@ class file_source final : public sized_streambuf {
 
  private:
   static constexpr std::size_t buffer_size = std::size_t{1} << 16;
+  // Reads from this size on take what the buffer holds and read the rest directly, leaving the
+  // buffer empty: a checkpoint's values arrive in pieces of 32 KiB (see `hashed_block_bytes`),
+  // which would otherwise keep refilling it and all be copied twice.
+  static constexpr std::size_t direct_read_bytes = std::size_t{1} << 14;
 
   std::size_t read_some(char* data, std::size_t size) noexcept {
     std::size_t done = 0;
