@@ -3,7 +3,9 @@
 ///
 /// Accumulation cases reuse one accumulator for every iteration, so after the first call the
 /// window holds a pending tensor and a call costs what a training step pays per microbatch.
-/// Incoming gradients are views of the shared buffers (no copy).
+/// Incoming gradients are views of the shared buffers (no copy), in a gradients container bound
+/// to the parameter set (ids resolved once, at insert), as a training loop keeps them; the
+/// many-small cases also show the unbound container, which resolves every id on every call.
 
 #include "bench_peers.hpp"
 
@@ -107,7 +109,7 @@ void accumulate_case_body(benchmark::State& state, accumulate_case c) {
   const auto* g = elements_of<B, In>(pool().gradient<In>(n));
   gradaccum::parameter_set<B> params;
   params.add("w", backend_of<B>::view(g, n));
-  gradaccum::gradients_params<B> grads;
+  gradaccum::gradients_params<B> grads(params);
   grads.insert("w", backend_of<B>::view(g, n));
   accumulate_loop(state, c, params, grads, gradaccum::dtype_of<W>);
   state.counters["bytes"] = accumulate_bytes<W, In>(n);
