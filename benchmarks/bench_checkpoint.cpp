@@ -163,7 +163,8 @@ void ours_load(benchmark::State& state, const window& w, const std::filesystem::
   // Untimed, like the hand peer's file: the first load into an accumulator also lays its window
   // out (ids sorted once per parameter set), which a resumed run pays once, not per checkpoint,
   // and the first two allocate the two buffers every later load alternates between.
-  for (int warm_up = 0; warm_up < 2 && whole_accumulator; ++warm_up) gradaccum::load_checkpoint(path, w.params, restored, format);
+  for (int warm_up = 0; warm_up < 2 && whole_accumulator; ++warm_up)
+    gradaccum::load_checkpoint(path, w.params, restored, format);
   {
     alloc_probe probe(state);
     for (auto _ : state) {

@@ -901,7 +901,7 @@ class values_reader {
         try {
           behind.emplace(*hash_, out.data(), out.size_bytes());
         } catch (const std::system_error&) {  // no thread to spare: hash inline
-        } catch (const std::bad_alloc&) {    // nor memory for one
+        } catch (const std::bad_alloc&) {     // nor memory for one
         }
       }
       for (std::size_t done = 0; done < out.size(); done += block) {
