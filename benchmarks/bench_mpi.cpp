@@ -14,9 +14,11 @@
 /// reduction. The fastest run is the undisturbed time, and every peer is measured alike. Cases are
 /// named `<case>/<peer>/<bytes>` like the rest of the suite: `allreduce/<tensors>x<elements>/
 /// {mpi_raw, mpi_raw_start, mpi_rsb_ag, mpi_raw_rs, mpi_per_tensor, ours_eigen, ours_eigen_start,
-/// ours_eigen_sharded}/<bytes>`; `ours_eigen_sharded` is `reduce_scatter_mean`, which leaves each
-/// rank its shard (counter `result_bytes`: what the result holds per rank), and `mpi_raw_rs` its
-/// floor, one raw `MPI_Reduce_scatter`.
+/// ours_eigen_sharded, ours_eigen_sharded_same}/<bytes>`; `ours_eigen_sharded` is
+/// `reduce_scatter_mean`, which leaves each rank its shard (counter `result_bytes`: what the
+/// result holds per rank), and `mpi_raw_rs` its floor, one raw `MPI_Reduce_scatter`;
+/// `ours_eigen_sharded_same` is `reduce_scatter_mean` with `shard_reduction::same_as_allreduce`
+/// (the shard cut from `allreduce_mean`'s collectives).
 /// After the table, rank 0 prints the ratio of our median time to the raw MPI_Allreduce's
 /// (targets: 1.05 for the large tensor, 1.15 for the small ones) and of the non-blocking variant
 /// to a raw MPI_Iallreduce's; `benchmarks/report --only mpi` prints the same with ranges.
@@ -167,7 +169,7 @@ void mpi_raw_rs(benchmark::State& state, const layout& shape) {
       [&] { MPI_Reduce_scatter(values.data(), mine.data(), counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); });
 }
 
-enum class call { blocking, start_then_wait, sharded };
+enum class call { blocking, start_then_wait, sharded, sharded_same_as_allreduce };
 
 /// `allreduce_mean` (or `start_allreduce_mean` + `wait`, or `reduce_scatter_mean`) of every rank's sums:
 /// `shape.tensors` present parameters, one microbatch of `tokens_per_rank` tokens per rank. The sums are accumulated
@@ -200,12 +202,16 @@ void ours(benchmark::State& state, const layout& shape, call how) {
         } else if (how == call::start_then_wait) {
           auto request = gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD);
           mean = request.wait();
-        } else {
+        } else if (how == call::sharded) {
           shard = gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD);
+        } else {
+          shard = gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD,
+                                                 gradaccum::shard_reduction::same_as_allreduce);
         }
       });
-  state.counters["result_bytes"] = static_cast<double>(
-      how == call::sharded ? shard.range().size * sizeof(float) : mean.gradients.template flat<float>().size_bytes());
+  state.counters["result_bytes"] = static_cast<double>(how == call::sharded || how == call::sharded_same_as_allreduce
+                                                           ? shard.range().size * sizeof(float)
+                                                           : mean.gradients.template flat<float>().size_bytes());
 }
 
 /// Google Benchmark's console table, plus each peer's median time over the raw MPI_Allreduce's.
@@ -232,7 +238,7 @@ class ratio_reporter : public benchmark::ConsoleReporter {
            {std::pair{"ours_eigen", "mpi_raw"}, std::pair{"ours_eigen_start", "mpi_raw_start"},
             std::pair{"ours_eigen_start", "mpi_raw"}, std::pair{"mpi_rsb_ag", "mpi_raw"},
             std::pair{"ours_eigen_sharded", "mpi_raw_rs"}, std::pair{"ours_eigen_sharded", "ours_eigen"},
-            std::pair{"mpi_raw_rs", "mpi_raw"}}) {
+            std::pair{"ours_eigen_sharded_same", "ours_eigen"}, std::pair{"mpi_raw_rs", "mpi_raw"}}) {
         const auto mine = medians_.find(shape.name() + "/" + ours + bytes);
         const auto theirs = medians_.find(shape.name() + "/" + peer + bytes);
         if (mine == medians_.end() || theirs == medians_.end()) continue;
@@ -277,6 +283,9 @@ void register_cases() {
     });
     add("ours_eigen_sharded",
         [](benchmark::State& state, const layout& s) { ours<gradaccum::eigen_backend>(state, s, call::sharded); });
+    add("ours_eigen_sharded_same", [](benchmark::State& state, const layout& s) {
+      ours<gradaccum::eigen_backend>(state, s, call::sharded_same_as_allreduce);
+    });
   }
 }
 

@@ -294,7 +294,10 @@ int run(int argc, char** argv, const rank_info& me) {
       "sharded run (reduce_scatter_mean, Adam on %zu of %zu elements per rank, allgather_shards) equals the "
       "full run: %s\n",
       gradaccum::shard_of(layout.elements(), 0, ranks).size, layout.elements(),
-      all_equal == 1 ? "yes, bit for bit" : (me.size > 2 ? "no (not promised on more than 2 ranks)" : "NO"));
+      all_equal == 1
+          ? "yes, bit for bit"
+          : (me.size > 2 ? "no (not promised on more than 2 ranks; shard_reduction::same_as_allreduce promises it)"
+                         : "NO"));
   std::printf("parameters vs the single-process run: relative difference %.1e (float sums in another order)\n",
               std::sqrt(parameter_difference / parameter_norm));
   std::printf("overflow at step %zu skipped by every rank in every run: %s\n", overflow_step,

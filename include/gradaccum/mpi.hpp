@@ -44,6 +44,21 @@ namespace gradaccum {
 /// and a window of many buckets has them all in flight together (as DDP's `bucket_cap_mb`).
 inline constexpr std::size_t default_bucket_bytes = std::size_t{4} << 20;
 
+/// @brief How `reduce_scatter_mean` sums a window.
+enum class shard_reduction {
+  /// One `MPI_Reduce_scatter` of the buffer: each rank receives only its shard's sums (on a
+  /// network, half the bytes of an allreduce). Bit for bit `allreduce_mean`'s range whenever MPI's
+  /// reduce-scatter adds in its allreduce's order: on 1 or 2 ranks always (a + b rounds as
+  /// b + a), and for sums that are exact in any order; on more ranks MPI may group the additions
+  /// otherwise (Open MPI does), and then the values differ in rounding.
+  reduce_scatter,
+  /// The very collectives of `allreduce_mean` with the same `bucket_bytes`, then the shard cut out
+  /// of the result: bit for bit its range on any number of ranks, for the bytes of an allreduce.
+  /// For checking a sharded optimizer against a replicated one, or when a step must not depend
+  /// on how the data was sharded.
+  same_as_allreduce,
+};
+
 /// @brief Reduces every rank's window sums over `comm`; returns, on every rank, the mean over all
 /// ranks' microbatches with the global state (summed total weight and microbatch count).
 ///
@@ -124,10 +139,17 @@ class allreduce_mean_request {
   friend accumulated_gradients<B2> allreduce_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&, MPI_Comm,
                                                   std::size_t);
 
-  /// Agrees and starts the collectives; with `block_single_bucket`, a window of one bucket is
-  /// reduced right here by the blocking `MPI_Allreduce` instead (for `allreduce_mean`).
+  template <class B2>
+  friend sharded_gradients<B2> reduce_scatter_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&, MPI_Comm,
+                                                   shard_reduction, std::size_t);
+
+  /// Agrees and starts the collectives. For every caller but `start_allreduce_mean`, a window of
+  /// one bucket is reduced right here by the blocking `MPI_Allreduce` instead. For
+  /// `reduce_scatter_mean`, the agreement also ORs whether any rank's sums hold a non-finite
+  /// value; `also_reserve(elements)` allocates what the caller needs, inside the agreement.
+  template <class Reserve>
   allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm,
-                         std::size_t bucket_bytes, bool block_single_bucket);
+                         std::size_t bucket_bytes, detail::mpi::value_collectives collectives, Reserve&& also_reserve);
 
   /// Normalizes bucket `k`, whose sum has arrived.
   void normalize_bucket(std::size_t k) noexcept;
@@ -146,17 +168,18 @@ class allreduce_mean_request {
 /// normalized buffer, and `pieces()` says which parameters (and which of their elements) they are.
 ///
 /// Collective, with the agreement, presence rules, errors and strong guarantee of
-/// `allreduce_mean`. The same agreement also ORs whether each rank's sums hold a NaN or an
-/// infinity (`found_non_finite()`, the same on every rank; this reads every rank's sums once).
-/// The shard's values are bit for bit the same elements of `allreduce_mean`'s result whenever
-/// MPI's reduce-scatter forms the same sums as its allreduce: on 1 or 2 ranks always (a + b
-/// rounds as b + a), and whenever the sums are exact in any order; on more ranks, Open MPI's
-/// algorithms may add in another order, and then the values differ in rounding only.
+/// `allreduce_mean` (every rank must pass the same `how` and `bucket_bytes`; `bucket_bytes` is
+/// used by `shard_reduction::same_as_allreduce` only). The same agreement also ORs whether each
+/// rank's sums hold a NaN or an infinity (`found_non_finite()`, the same on every rank; this
+/// reads every rank's sums once). See `shard_reduction` for when the shard has the bits of
+/// `allreduce_mean`'s range.
 /// @throws the errors of `allreduce_mean`; error(errc::parameter_mismatch) on every rank when a
 /// shard's element count exceeds MPI's `int`.
 template <class B>
 [[nodiscard]] sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
-                                                       MPI_Comm comm);
+                                                       MPI_Comm comm,
+                                                       shard_reduction how = shard_reduction::reduce_scatter,
+                                                       std::size_t bucket_bytes = default_bucket_bytes);
 
 /// @brief `global_norm` of the whole window from its shards, with its bits: each rank sums the
 /// squares of its own `norm_block_elements` blocks, one `MPI_Allgather` (one double per block,
@@ -219,8 +242,12 @@ void allgather_shards(const sharded_gradients<B>& shard, std::span<W> flat_param
 // ---------------------------------------------------------------------------------------------
 
 template <class B>
+template <class Reserve>
 allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums,
-                                                  MPI_Comm comm, std::size_t bucket_bytes, bool block_single_bucket) {
+                                                  MPI_Comm comm, std::size_t bucket_bytes,
+                                                  detail::mpi::value_collectives collectives, Reserve&& also_reserve) {
+  using detail::mpi::value_collectives;
+  const bool block_single_bucket = collectives != value_collectives::started_allreduce;
   const auto bucket_of = [&](float_dtype dtype) {
     return detail::mpi::bucket_elements(bucket_bytes, dtype == float_dtype::f64 ? sizeof(double) : sizeof(float));
   };
@@ -230,8 +257,9 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
         const std::size_t bucket = bucket_of(sums.state.dtype);
         requests_.reserve(elements / bucket + 1);
         completed_.resize(requests_.capacity());
+        also_reserve(elements);
       },
-      false, bucket_bytes);
+      collectives, collectives == value_collectives::allreduce_then_shard, bucket_bytes);
   bucket_ = bucket_of(window_.state.dtype);
   taken_ = false;
   try {
@@ -337,13 +365,16 @@ void allreduce_mean_request<B>::complete_quietly() noexcept {
 template <class B>
 allreduce_mean_request<B> start_allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
                                                MPI_Comm comm, std::size_t bucket_bytes) {
-  return allreduce_mean_request<B>(params, sums, comm, bucket_bytes, false);
+  return allreduce_mean_request<B>(params, sums, comm, bucket_bytes, detail::mpi::value_collectives::started_allreduce,
+                                   [](std::size_t) {});
 }
 
 template <class B>
 accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums, MPI_Comm comm,
                                         std::size_t bucket_bytes) {
-  return allreduce_mean_request<B>(params, sums, comm, bucket_bytes, true).wait();
+  return allreduce_mean_request<B>(params, sums, comm, bucket_bytes, detail::mpi::value_collectives::allreduce,
+                                   [](std::size_t) {})
+      .wait();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -417,26 +448,50 @@ inline int int_count(std::size_t count, const char* what) {
 }  // namespace detail::mpi
 
 template <class B>
-sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
-                                         MPI_Comm comm) {
+sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums, MPI_Comm comm,
+                                         shard_reduction how, std::size_t bucket_bytes) {
   const detail::mpi::comm_place place = detail::mpi::place_in(comm);
   const auto ranks = static_cast<std::size_t>(place.ranks);
   shard_range range;
   std::vector<int> counts;
   std::shared_ptr<detail::flat_storage> shard;
   std::vector<shard_piece> pieces;
-  detail::mpi::agreed_window<B> window = detail::mpi::agree(
-      params, sums, comm,
-      [&](std::size_t elements) {
-        range = shard_of(elements, static_cast<std::size_t>(place.rank), ranks);
-        detail::mpi::int_count(range.size, "a shard");
-        counts.resize(ranks);
-        for (std::size_t r = 0; r < ranks; ++r) counts[r] = static_cast<int>(shard_of(elements, r, ranks).stored);
-        shard = detail::mpi::shard_storage(sums.state.dtype, range.size, params.size(), range.stored);
-        pieces.reserve(params.size());  // a segment meets a shard in one run at most
-      },
-      true);
+  const auto reserve = [&](std::size_t elements) {
+    range = shard_of(elements, static_cast<std::size_t>(place.rank), ranks);
+    detail::mpi::int_count(range.size, "a shard");
+    if (how == shard_reduction::reduce_scatter) {
+      counts.resize(ranks);
+      for (std::size_t r = 0; r < ranks; ++r) counts[r] = static_cast<int>(shard_of(elements, r, ranks).stored);
+    }
+    shard = detail::mpi::shard_storage(sums.state.dtype, range.size, params.size(), range.stored);
+    pieces.reserve(params.size());  // a segment meets a shard in one run at most
+  };
+  // The shard's values, its state and the flags of the window they were cut from.
+  const auto cut = [&](const flat_gradients<B>& window, const weighted_accumulation_state& state,
+                       bool found_non_finite) {
+    const detail::flat_storage& full = *detail::flat_access::storage(window);
+    std::copy(full.present.begin(), full.present.end(), shard->present.begin());
+    shard->present_count = full.present_count;
+    const auto& layout = detail::flat_access::layout(window);
+    detail::shard_access::pieces_in(*layout, shard->present, range, pieces);
+    return detail::shard_access::make(layout, std::move(shard), std::move(pieces), state, range, found_non_finite);
+  };
 
+  if (how == shard_reduction::same_as_allreduce) {
+    // Every rank computes the whole of allreduce_mean's result, by its very calls, and keeps its range.
+    allreduce_mean_request<B> request(params, sums, comm, bucket_bytes,
+                                      detail::mpi::value_collectives::allreduce_then_shard, reserve);
+    const bool found_non_finite = request.window_.found_non_finite;
+    const accumulated_gradients<B> reduced = request.wait();
+    detail::visit_work_dtype(reduced.state.dtype, [&]<class W>() {
+      const std::span<const W> all = reduced.gradients.template flat<W>();
+      std::copy_n(all.data() + range.begin, range.stored, shard->template data<W>());
+    });
+    return cut(reduced.gradients, reduced.state, found_non_finite);
+  }
+
+  detail::mpi::agreed_window<B> window =
+      detail::mpi::agree(params, sums, comm, reserve, detail::mpi::value_collectives::reduce_scatter, true, 0);
   const detail::flat_storage& full = *detail::flat_access::storage(window.gradients);
   detail::visit_work_dtype(window.state.dtype, [&]<class W>() {
     detail::mpi::check(MPI_Reduce_scatter(full.data<W>(), shard->template data<W>(), counts.data(),
@@ -445,12 +500,7 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
     detail::mpi::normalize(shard->template data<W>(), range.stored, static_cast<W>(window.state.loss_scale),
                            static_cast<W>(window.state.total_weight));
   });
-  std::copy(full.present.begin(), full.present.end(), shard->present.begin());
-  shard->present_count = full.present_count;
-  const auto& layout = detail::flat_access::layout(window.gradients);
-  detail::shard_access::pieces_in(*layout, shard->present, range, pieces);
-  return detail::shard_access::make(layout, std::move(shard), std::move(pieces), window.state, range,
-                                    window.found_non_finite);
+  return cut(window.gradients, window.state, window.found_non_finite);
 }
 
 template <class B>

@@ -189,7 +189,8 @@ TEST_CASE_TEMPLATE("a window smaller than one block lives on rank 0; the others 
   CHECK(gradaccum::global_norm(shard, MPI_COMM_WORLD) == gradaccum::global_norm(full));
 }
 
-TEST_CASE_TEMPLATE("shards of sums that round: bit for bit on 1 and 2 ranks, every rank alike", B, BACKENDS) {
+TEST_CASE_TEMPLATE("shards of sums that round: bit for bit on 1 and 2 ranks, on any number cut from the allreduce", B,
+                   BACKENDS) {
   INFO("rank " << world_rank << " of " << world_size);
   const auto params = parameters<B>();
   for_both_dtypes([&]<class W>(float_dtype dtype) {
@@ -205,6 +206,20 @@ TEST_CASE_TEMPLATE("shards of sums that round: bit for bit on 1 and 2 ranks, eve
         const W expected = all[shard.range().begin + i];
         CHECK(std::abs(mine[i] - expected) <= 4 * std::numeric_limits<W>::epsilon() * std::abs(expected));
       }
+    }
+    // Cut from allreduce_mean's own collectives, a shard has its range's bits on any number of
+    // ranks, with the same state and non-finite answer as the reduce-scatter's.
+    for (const std::size_t bucket_bytes : {gradaccum::default_bucket_bytes, std::size_t{44}}) {
+      INFO("bucket bytes " << bucket_bytes);
+      const auto bucketed =
+          gradaccum::allreduce_mean(params, rounding_sums<B, W>(params), MPI_COMM_WORLD, bucket_bytes);
+      const auto same = gradaccum::reduce_scatter_mean(params, rounding_sums<B, W>(params), MPI_COMM_WORLD,
+                                                       gradaccum::shard_reduction::same_as_allreduce, bucket_bytes);
+      CHECK(shard_matches<W>(same, bucketed));
+      CHECK(same.range() == shard.range());
+      CHECK(same.state() == shard.state());
+      CHECK(same.found_non_finite() == shard.found_non_finite());
+      CHECK(same.pieces().size() == shard.pieces().size());
     }
     // The norm of the shards is the same on every rank.
     const double norm = gradaccum::global_norm(shard, MPI_COMM_WORLD);
@@ -337,6 +352,45 @@ TEST_CASE_TEMPLATE("reduce_scatter_mean rejects as allreduce_mean does, on every
     if (world_rank == 0) sums.state.loss_scale = -1.0;
     check_rejected_unchanged(
         sums, [&] { return reduce(sums); }, errc::invalid_state);
+  }
+  SUBCASE("ranks asking for different reductions") {
+    if (world_size > 1) {
+      using gradaccum::shard_reduction;
+      auto sums = local_sums(params, float_dtype::f32);
+      SUBCASE("another shard_reduction") {
+        const shard_reduction how =
+            world_rank == 0 ? shard_reduction::same_as_allreduce : shard_reduction::reduce_scatter;
+        // A bucket of 0 bytes, as the reduce-scatter's agreement carries: only the reduction differs.
+        check_rejected_unchanged(
+            sums, [&] { return gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD, how, 0); },
+            errc::invalid_state);
+      }
+      SUBCASE("allreduce_mean against start_allreduce_mean") {
+        check_rejected_unchanged(
+            sums,
+            [&] {
+              if (world_rank == 0) {
+                return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).gradients.size();
+              }
+              return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).wait().gradients.size();
+            },
+            errc::invalid_state);
+      }
+      SUBCASE("allreduce_mean against reduce_scatter_mean cut from the allreduce") {
+        check_rejected_unchanged(
+            sums,
+            [&] {
+              if (world_rank == 0) {
+                return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).gradients.size();
+              }
+              return gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD,
+                                                    shard_reduction::same_as_allreduce)
+                  .pieces()
+                  .size();
+            },
+            errc::invalid_state);
+      }
+    }
   }
   check_ranks_still_agree(params);
 }

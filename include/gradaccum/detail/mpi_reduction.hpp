@@ -71,15 +71,26 @@ struct word_range {
 
 inline constexpr std::uint64_t no_failure = std::numeric_limits<std::uint64_t>::max();
 
+/// Which value collectives follow an agreement: ranks must make the same calls, so a rank in
+/// `allreduce_mean` and another in `start_allreduce_mean` or `reduce_scatter_mean` is an error on
+/// every rank instead of two different collectives.
+enum class value_collectives : std::uint64_t {
+  allreduce = 1,        // allreduce_mean
+  started_allreduce,    // start_allreduce_mean
+  reduce_scatter,       // reduce_scatter_mean, shard_reduction::reduce_scatter
+  allreduce_then_shard  // reduce_scatter_mean, shard_reduction::same_as_allreduce
+};
+
 /// What every rank contributes to the agreement step; combined field by field by one
 /// user-defined reduction so the whole step is one small collective.
 struct agreement {
   std::uint64_t first_failure = no_failure;  // min over ranks of (rank << 8 | errc)
   word_range layout;                         // fingerprint of the parameter set
   word_range dtype;
-  word_range loss_scale;  // bit pattern of the double
-  word_range present;     // how many parameters have a gradient
-  word_range bucket;      // bytes per bucket of the value collectives (0 where there are none)
+  word_range loss_scale;   // bit pattern of the double
+  word_range present;      // how many parameters have a gradient
+  word_range bucket;       // bytes per bucket of the value collectives (0 where there are none)
+  word_range collectives;  // value_collectives
   double total_weight = 0.0;
   std::uint64_t microbatches = 0;  // saturating sum: saturation means overflow
   std::uint64_t non_finite = 0;    // 1 when some rank's sums hold a NaN or an infinity (if checked)
@@ -92,6 +103,7 @@ struct agreement {
     loss_scale.combine(other.loss_scale);
     present.combine(other.present);
     bucket.combine(other.bucket);
+    collectives.combine(other.collectives);
     total_weight += other.total_weight;
     microbatches = other.microbatches > std::numeric_limits<std::uint64_t>::max() - microbatches
                        ? std::numeric_limits<std::uint64_t>::max()
@@ -321,6 +333,11 @@ inline void check_agreement(const agreement& agreed) {
                                   std::string(to_string(static_cast<float_dtype>(agreed.dtype.max))) +
                                   "); nothing was reduced.");
   }
+  if (!agreed.collectives.agreed()) {
+    fail(errc::invalid_state,
+         "ranks called different reductions (allreduce_mean, start_allreduce_mean or reduce_scatter_mean with "
+         "another shard_reduction); nothing was reduced.");
+  }
   if (!agreed.bucket.agreed()) {
     fail(errc::invalid_state, "ranks asked for different bucket sizes (" + std::to_string(agreed.bucket.min()) +
                                   " and " + std::to_string(agreed.bucket.max) + " bytes); nothing was reduced.");
@@ -350,10 +367,11 @@ inline void check_agreement(const agreement& agreed) {
 /// before the agreement: a failure on one rank is then an error on every rank, never a rank
 /// missing from a collective. With `check_non_finite`, each rank's sums are read for a NaN or an
 /// infinity and the agreement ORs the answers (a reduction whose result no rank holds whole).
-/// Ranks must pass the same `bucket_bytes`, since it cuts the value collectives.
+/// Ranks must pass the same `collectives` and `bucket_bytes`, since they decide the value
+/// collectives.
 template <class B, class Reserve>
 agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm, Reserve&& reserve,
-                       bool check_non_finite = false, std::uint64_t bucket_bytes = 0) {
+                       value_collectives collectives, bool check_non_finite, std::uint64_t bucket_bytes) {
   int rank = 0;
   check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
 
@@ -380,6 +398,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   agreed.loss_scale = word_range::of(std::bit_cast<std::uint64_t>(sums.state.loss_scale));
   agreed.present = word_range::of(sums.gradients.size());
   agreed.bucket = word_range::of(bucket_bytes);
+  agreed.collectives = word_range::of(static_cast<std::uint64_t>(collectives));
   agreed.total_weight = sums.state.total_weight;
   agreed.microbatches = sums.state.microbatches;
   if (check_non_finite && local) {
