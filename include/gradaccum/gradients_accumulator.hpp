@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -257,8 +258,11 @@ class gradients_accumulator {
     /// are looked up.
     std::optional<std::size_t> position_of(std::string_view id) noexcept {
       const std::span<const std::size_t> order = layout_->by_id();
-      while (next_ < order.size() && (*layout_)[order[next_]].id < id) ++next_;
-      if (next_ < order.size() && (*layout_)[order[next_]].id == id) return order[next_++];
+      for (; next_ < order.size(); ++next_) {  // one comparison per id in the usual case
+        const int order_of = std::string_view((*layout_)[order[next_]].id).compare(id);
+        if (order_of == 0) return order[next_++];
+        if (order_of > 0) break;
+      }
       return params_->find(id);
     }
 
