@@ -14,16 +14,16 @@
 ///                    restore into the accumulator;
 ///  - `ours_record`   the same without the accumulator: save_checkpoint(path, record) of a record
 ///                    taken beforehand, load_checkpoint<weighted_gradients_record>(path);
-///  - `checksum`      (binary, one tensor) only the XXH3-64 a save adds: it hashes each 32 KiB
+///  - `checksum`      (binary, one tensor) only the XXH3-64 a save adds: it hashes each 256 KiB
 ///                    piece right before the piece is written, so the piece is in cache and the
 ///                    read from memory is the copy's, paid without a checksum too. The peer hashes
 ///                    one cache-resident piece as many times as the window has pieces; its time over
 ///                    `ours_eigen`'s save is the checksum's share, bound ≤ 5 %. (A load of 8 MiB of
 ///                    values or more hashes them on a worker thread while it reads the next pieces.)
 ///  - `pieces`, `pieces_hashed` (binary, one tensor) the hand peer's fwrite / fread in those
-///                    32 KiB pieces (loads into one reused buffer, as an accumulator's), without and
-///                    with XXH3-64 on the calling thread after each piece: `ours_eigen`'s load,
-///                    checksum included, against `pieces` bounds what the checksum costs (≥ 0.95×).
+///                    pieces (256 KiB saved, 32 KiB loaded) (loads into one reused buffer, as an accumulator's),
+///                    without and with XXH3-64 on the calling thread after each piece: `ours_eigen`'s load, checksum
+///                    included, against `pieces` bounds what the checksum costs (≥ 0.95×).
 ///
 /// `ckpt_snapshot/binary/1_tensor` measures what save_checkpoint_async costs the calling thread
 /// (`ours_eigen`: until it returns; the write is awaited untimed) against one copy of the pending
@@ -201,7 +201,7 @@ void hand_snapshot(benchmark::State& state, const window& w) {
 /// adds a few dozen bytes), so its share of a save or load shows.
 void checksum_only(benchmark::State& state, const window& w) {
   const std::size_t total = w.count * w.elements;
-  const std::size_t piece = std::min(total, gradaccum::detail::hashed_block_bytes / sizeof(float));
+  const std::size_t piece = std::min(total, gradaccum::detail::saved_block_bytes / sizeof(float));
   const std::span<const float> in_cache(w.values, piece);
   for (auto _ : state) {
     gradaccum::detail::content_hash hash;
@@ -217,7 +217,8 @@ void checksum_only(benchmark::State& state, const window& w) {
 /// (save) its copy when `hashed`.
 void pieces_peer(benchmark::State& state, const window& w, const std::filesystem::path& path, bool save, bool hashed) {
   const std::size_t total = w.count * w.elements;
-  const std::size_t piece = gradaccum::detail::hashed_block_bytes / sizeof(float);
+  const std::size_t piece =
+      (save ? gradaccum::detail::saved_block_bytes : gradaccum::detail::loaded_block_bytes) / sizeof(float);
   std::vector<float> loaded(save ? 0 : total);
   if (!save) {
     std::FILE* file = std::fopen(path.c_str(), "wb");

@@ -66,8 +66,8 @@ class file_descriptor {
   int fd_ = -1;
 };
 
-/// @brief Writes through a 1 MiB buffer to a file; writes at least as large as the buffer
-/// (bulk values) go straight to the file. Remembers the errno of the first failed write.
+/// @brief Writes through a 1 MiB buffer to a file; writes of 256 KiB or more (bulk values) go
+/// straight to the file after what is buffered. Remembers the errno of the first failed write.
 class file_sink final : public std::streambuf {
  public:
   explicit file_sink(int fd) : fd_(fd), buffer_(buffer_size) { setp(buffer_.data(), buffer_.data() + buffer_.size()); }
@@ -93,13 +93,13 @@ class file_sink final : public std::streambuf {
   std::streamsize xsputn(const char* data, std::streamsize count) override {
     if (count <= 0) return 0;  // an empty block may come with a null pointer, which memcpy must not see
     const auto size = static_cast<std::size_t>(count);
+    if (size >= direct_write_bytes) return drain() && write_all(data, size) ? count : 0;
     if (size <= static_cast<std::size_t>(epptr() - pptr())) {
       std::memcpy(pptr(), data, size);
       pbump(static_cast<int>(size));
       return count;
     }
     if (!drain()) return 0;
-    if (size >= buffer_size) return write_all(data, size) ? count : 0;
     std::memcpy(pptr(), data, size);
     pbump(static_cast<int>(size));
     return count;
@@ -109,6 +109,7 @@ class file_sink final : public std::streambuf {
 
  private:
   static constexpr std::size_t buffer_size = std::size_t{1} << 20;
+  static constexpr std::size_t direct_write_bytes = std::size_t{1} << 18;  // a save's pieces of values
 
   bool write_all(const char* data, std::size_t size) noexcept {
     while (size > 0 && error_ == 0) {
@@ -195,7 +196,7 @@ class file_source final : public sized_streambuf {
  private:
   static constexpr std::size_t buffer_size = std::size_t{1} << 16;
   // Reads from this size on take what the buffer holds and read the rest directly, leaving the
-  // buffer empty: a checkpoint's values arrive in pieces of 32 KiB (see `hashed_block_bytes`),
+  // buffer empty: a checkpoint's values arrive in pieces of 32 KiB (see `loaded_block_bytes`),
   // which would otherwise keep refilling it and all be copied twice.
   static constexpr std::size_t direct_read_bytes = std::size_t{1} << 14;
 
