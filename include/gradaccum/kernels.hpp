@@ -117,8 +117,6 @@ void for_ranges(std::size_t count, F&& body) noexcept {
 
 }  // namespace gradaccum::detail
 
-namespace gradaccum::kernels {
-
 // GCC contracts `acc + scale * g` into an FMA under -march=native even in ISO mode, which
 // rounds once instead of twice and breaks the contract (and cross-backend bit identity). And at
 // -O2 its "very cheap" vectorizer cost model leaves every loop below scalar (their trip count
@@ -128,7 +126,6 @@ namespace gradaccum::kernels {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off", "tree-vectorize", "vect-cost-model=dynamic")
 #endif
-}  // namespace gradaccum::kernels
 
 namespace gradaccum::detail {
 

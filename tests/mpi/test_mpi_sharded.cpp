@@ -365,30 +365,30 @@ TEST_CASE_TEMPLATE("reduce_scatter_mean rejects as allreduce_mean does, on every
             sums, [&] { return gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD, how, 0); },
             errc::invalid_state);
       }
-      SUBCASE("allreduce_mean against start_allreduce_mean") {
+      // Rank 0 calls allreduce_mean, the others `other` (which returns a size, as the first does).
+      const auto against_allreduce_mean = [&](const auto& other) {
         check_rejected_unchanged(
             sums,
             [&] {
               if (world_rank == 0) {
                 return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).gradients.size();
               }
-              return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).wait().gradients.size();
+              return other();
             },
             errc::invalid_state);
+      };
+      SUBCASE("allreduce_mean against start_allreduce_mean") {
+        against_allreduce_mean([&] {
+          return gradaccum::start_allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).wait().gradients.size();
+        });
       }
       SUBCASE("allreduce_mean against reduce_scatter_mean cut from the allreduce") {
-        check_rejected_unchanged(
-            sums,
-            [&] {
-              if (world_rank == 0) {
-                return gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).gradients.size();
-              }
-              return gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD,
-                                                    shard_reduction::same_as_allreduce)
-                  .pieces()
-                  .size();
-            },
-            errc::invalid_state);
+        against_allreduce_mean([&] {
+          return gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD,
+                                                shard_reduction::same_as_allreduce)
+              .pieces()
+              .size();
+        });
       }
     }
   }
