@@ -166,7 +166,7 @@ class content_hash {
 /// load failed), it stops the worker; the hash is then partial and must not be used.
 class background_hash {
  public:
-  /// @throws std::system_error when no thread can be started (hash inline instead).
+  /// @throws std::system_error or std::bad_alloc when no thread can be started (hash inline then).
   background_hash(content_hash& hash, const void* data, std::size_t size)
       : hash_(hash), data_(static_cast<const unsigned char*>(data)), size_(size), worker_([this] { run(); }) {}
   background_hash(const background_hash&) = delete;
