@@ -247,6 +247,9 @@ TEST_CASE_TEMPLATE("add_scaled_strided gives the bits of add_scaled on the same 
       {{5, 7}, {1, 9}, 3},                // column-major block, leading dimension 9
       {{37, 45}, {1, 40}, 2},             // larger than a tile, ragged edges
       {{37, 45}, {50, 1}, 1},             // row-major block
+      {{16, 24}, {1, 19}, 7},             // whole 8 x 8 blocks only
+      {{64, 64}, {1, 64}, 0},             // a transpose's layout
+      {{9, 17}, {1, -12}, 200},           // columns reversed, one row and one column past the blocks
       {{6, 1, 4}, {4, 999, 1}, 0},        // a unit dimension with any stride
       {{1, 9}, {0, 2}, 0},                // a row vector of a column-major matrix
       {{2, 3, 4, 5}, {1, 2, 6, 24}, 0},   // column-major rank 4 (Eigen::Tensor)

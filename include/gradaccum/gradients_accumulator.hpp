@@ -300,32 +300,48 @@ class gradients_accumulator {
                                e.value);
       }
     } else {
-      positions_.clear();
-      positions_.reserve(grads.size());
-      std::size_t hint = 0;
-      for (const auto& e : grads) {
-        const std::size_t position = detail::visit_gradient(
-            [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
-        positions_.push_back(position);
-        hint = position + 1;
-      }
+      resolve_positions(params, grads);
     }
     if (grads.empty()) return;
 
     // 2. Allocate what is missing: a layout for this parameter set, a buffer in `dtype`.
     // 3. Commit and add: nothing below can throw.
     prepare(params, dtype);
+    if (dtype == float_dtype::f64) {
+      add_each<double>(grads, bound, multiplier);
+    } else {
+      add_each<float>(grads, bound, static_cast<float>(multiplier));
+    }
+  }
+
+  /// The adds of `add`, into the prepared buffer (positions from the binding or `positions_`).
+  /// Its arguments are values, not a lambda's captures: they stay in registers.
+  template <class W>
+  void add_each(const gradients_params<B>& grads, bool bound, W scale) noexcept {
     const flat_layout<B>& segments = *pending_.layout_;
     detail::flat_storage& buffer = *pending_.storage_;
+    W* const acc = buffer.data<W>();
     std::size_t k = 0;
     for (const auto& e : grads) {
       const std::size_t position = bound ? e.position : positions_[k++];
       const flat_segment<B>& s = segments[position];
-      detail::visit_work_dtype(dtype, [&]<class W>() {
-        const std::span<W> target(buffer.data<W>() + s.offset, s.size);
-        detail::visit_gradient([&](const auto& g) { B::add_scaled(target, g, static_cast<W>(multiplier)); }, e.value);
-      });
+      detail::visit_gradient([acc, &s, scale](const auto& g) { B::add_scaled(std::span<W>(acc + s.offset, s.size), g, scale); },
+                             e.value);
       buffer.mark_present(position);
+    }
+  }
+
+  /// `positions_[k]`: the parameter position of the k-th gradient (ids looked up, every
+  /// gradient checked against its parameter). Out of line: bound gradients never come here.
+  [[gnu::noinline]] void resolve_positions(const parameter_set<B>& params, const gradients_params<B>& grads) {
+    positions_.clear();
+    positions_.reserve(grads.size());
+    std::size_t hint = 0;
+    for (const auto& e : grads) {
+      const std::size_t position = detail::visit_gradient(
+          [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
+      positions_.push_back(position);
+      hint = position + 1;
     }
   }
 
@@ -333,7 +349,7 @@ class gradients_accumulator {
   void add(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, double multiplier, float_dtype dtype) {
     validate(params, grads);
     if (grads.empty()) return;
-    prepare(params, dtype, grads.layout_);  // the buffer's layout is this set's; then nothing throws
+    prepare(params, dtype, &grads.layout_);  // the buffer's layout is this set's; then nothing throws
     // Both buffers have the same segments, so a run of present segments is one stretch of
     // both, the zero padding between them included.
     const flat_layout<B>& segments = *pending_.layout_;
@@ -370,11 +386,15 @@ class gradients_accumulator {
   /// `laid_out` when given and the current one is not this set's, or a new one) and a writable
   /// buffer are made first and committed after, so a failure changes nothing.
   void prepare(const parameter_set<B>& params, float_dtype dtype,
-               const std::shared_ptr<const flat_layout<B>>& laid_out = nullptr) {
+               const std::shared_ptr<const flat_layout<B>>* laid_out = nullptr) {
     if (pending_.storage_ && pending_.storage_->dtype == dtype && pending_.layout_ == layout_ &&
-        layout_->laid_out_for(params)) {
+        layout_->laid_out_for(params)) [[likely]] {
       return;
     }
+    lay_out(params, dtype, laid_out ? *laid_out : nullptr);
+  }
+  [[gnu::noinline]] void lay_out(const parameter_set<B>& params, float_dtype dtype,
+                                 const std::shared_ptr<const flat_layout<B>>& laid_out) {
     std::shared_ptr<const flat_layout<B>> layout =
         laid_out && !(layout_ && layout_->laid_out_for(params)) ? laid_out : layout_for(params);
     std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);

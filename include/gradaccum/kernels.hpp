@@ -24,7 +24,7 @@
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/shape.hpp"
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -180,6 +180,49 @@ void add_scaled(W* __restrict acc, const T* __restrict g, std::size_t count, W s
   });
 }
 
+#ifdef __AVX__
+/// @brief The F32 plane of `add_scaled_plane` whose rows are g's contiguous axis (a block of
+/// a column-major matrix, a transpose), over its whole 8 × 8 blocks: eight 8-element column
+/// loads, a transpose in registers, eight row updates. The same multiply and add per element
+/// as the scalar loops, so the same bits; a copy through memory instead (the generic tiles)
+/// ran at half the speed of Eigen's own strided loop on a 128 × 128 block.
+inline void add_scaled_plane_8x8(float* __restrict acc, std::ptrdiff_t acc_row, const float* __restrict g,
+                                 std::ptrdiff_t col_stride, std::size_t rows, std::size_t cols, float scale) noexcept {
+  const __m256 factor = _mm256_set1_ps(scale);
+  for (std::size_t r0 = 0; r0 + 8 <= rows; r0 += 8) {
+    for (std::size_t c0 = 0; c0 + 8 <= cols; c0 += 8) {
+      const float* in = g + static_cast<std::ptrdiff_t>(r0) + static_cast<std::ptrdiff_t>(c0) * col_stride;
+      __m256 v[8];
+      for (std::ptrdiff_t k = 0; k < 8; ++k) v[k] = _mm256_loadu_ps(in + k * col_stride);  // column c0 + k
+      const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]);
+      const __m256 t1 = _mm256_unpackhi_ps(v[0], v[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]);
+      const __m256 t3 = _mm256_unpackhi_ps(v[2], v[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]);
+      const __m256 t5 = _mm256_unpackhi_ps(v[4], v[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]);
+      const __m256 t7 = _mm256_unpackhi_ps(v[6], v[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44);
+      const __m256 u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44);
+      const __m256 u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44);
+      const __m256 u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44);
+      const __m256 u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      const __m256 row[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                             _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                             _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                             _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      for (std::size_t r = 0; r < 8; ++r) {
+        float* out = acc + static_cast<std::ptrdiff_t>(r0 + r) * acc_row + static_cast<std::ptrdiff_t>(c0);
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), _mm256_mul_ps(factor, row[r])));
+      }
+    }
+  }
+}
+#endif
+
 /// @brief `acc[r · acc_row + c] = acc[r · acc_row + c] + scale · W(g[r · row_stride + c · col_stride])`
 /// for a `rows × cols` plane, with the arithmetic of `add_scaled`.
 ///
@@ -193,6 +236,25 @@ template <class W, element_type T>
 void add_scaled_plane(W* __restrict acc, std::ptrdiff_t acc_row, const T* __restrict g, std::ptrdiff_t row_stride,
                       std::ptrdiff_t col_stride, std::size_t rows, std::size_t cols, W scale) noexcept {
   GRADACCUM_NO_FP_CONTRACT
+#ifdef __AVX__
+  if constexpr (std::is_same_v<W, float> && std::is_same_v<T, float>) {
+    if (row_stride == 1 && rows >= 8 && cols >= 8) {
+      // The whole 8 × 8 blocks in registers; the right and bottom strips below.
+      const std::size_t block_rows = rows / 8 * 8;
+      const std::size_t block_cols = cols / 8 * 8;
+      add_scaled_plane_8x8(acc, acc_row, g, col_stride, block_rows, block_cols, scale);
+      if (block_cols < cols) {
+        add_scaled_plane(acc + block_cols, acc_row, g + static_cast<std::ptrdiff_t>(block_cols) * col_stride, 1,
+                         col_stride, block_rows, cols - block_cols, scale);
+      }
+      if (block_rows < rows) {
+        add_scaled_plane(acc + static_cast<std::ptrdiff_t>(block_rows) * acc_row, acc_row,
+                         g + static_cast<std::ptrdiff_t>(block_rows), 1, col_stride, rows - block_rows, cols, scale);
+      }
+      return;
+    }
+  }
+#endif
   constexpr std::size_t tile = 16;
   const bool rows_fast = (row_stride < 0 ? -row_stride : row_stride) < (col_stride < 0 ? -col_stride : col_stride);
   T scratch[tile][tile + 1];

@@ -214,29 +214,37 @@ class weighted_gradients_accumulator {
   template <class G>
   void accumulate(const parameter_set<B>& params, const G& grads, double weight, double multiplier) {
     const float_dtype dtype = state_.dtype;
-    const bool f32 = dtype == float_dtype::f32;
-    if (!(weight >= 0.0) || !representable(weight, dtype) ||
-        (f32 && weight > 0.0 && static_cast<float>(weight) == 0.0F)) {
-      detail::fail(errc::invalid_weight, "microbatch weight " + detail::number_text(weight) +
-                                             " is not a non-negative value representable in " +
-                                             std::string(to_string(dtype)) + ".");
-    }
     const double total = state_.total_weight + weight;
-    if (!representable(total, dtype)) {
-      detail::fail(errc::invalid_weight, "adding weight " + detail::number_text(weight) +
-                                             " makes the total weight unrepresentable in " +
-                                             std::string(to_string(dtype)) + ".");
+    // The checks stay a few instructions on the steady path; the messages are built out of line.
+    if (!(weight >= 0.0) || !representable(weight, dtype) ||
+        (dtype == float_dtype::f32 && weight > 0.0 && static_cast<float>(weight) == 0.0F)) [[unlikely]] {
+      fail_weight(weight, dtype);
     }
-    if (state_.microbatches == std::numeric_limits<std::uint64_t>::max()) {
-      detail::fail(errc::counter_overflow, "the microbatch counter of this window cannot be incremented.");
-    }
+    if (!representable(total, dtype)) [[unlikely]] fail_total(weight, dtype);
+    if (state_.microbatches == std::numeric_limits<std::uint64_t>::max()) [[unlikely]] fail_counter();
     if (weight > 0.0) {
-      accumulator_.accumulate_scaled(params, grads, multiplier, dtype);
+      // The dtype is a work dtype (checked at construction) and the multiplier is 1 or the
+      // weight checked above, so the accumulator's own scalar checks would repeat these.
+      accumulator_.add(params, grads, multiplier, dtype);
     } else {
       accumulator_.validate(params, grads);
     }
     state_.total_weight = total;
     ++state_.microbatches;
+  }
+
+  [[noreturn, gnu::cold, gnu::noinline]] static void fail_weight(double weight, float_dtype dtype) {
+    detail::fail(errc::invalid_weight, "microbatch weight " + detail::number_text(weight) +
+                                           " is not a non-negative value representable in " +
+                                           std::string(to_string(dtype)) + ".");
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] static void fail_total(double weight, float_dtype dtype) {
+    detail::fail(errc::invalid_weight, "adding weight " + detail::number_text(weight) +
+                                           " makes the total weight unrepresentable in " +
+                                           std::string(to_string(dtype)) + ".");
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] static void fail_counter() {
+    detail::fail(errc::counter_overflow, "the microbatch counter of this window cannot be incremented.");
   }
 
   static void require_loss_scale(double loss_scale, float_dtype dtype) {
