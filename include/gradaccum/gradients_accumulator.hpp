@@ -308,22 +308,23 @@ class gradients_accumulator {
     // 3. Commit and add: nothing below can throw.
     prepare(params, dtype);
     if (dtype == float_dtype::f64) {
-      add_each<double>(grads, bound, multiplier);
+      bound ? add_each<double, true>(grads, multiplier) : add_each<double, false>(grads, multiplier);
     } else {
-      add_each<float>(grads, bound, static_cast<float>(multiplier));
+      const auto scale = static_cast<float>(multiplier);
+      bound ? add_each<float, true>(grads, scale) : add_each<float, false>(grads, scale);
     }
   }
 
   /// The adds of `add`, into the prepared buffer (positions from the binding or `positions_`).
   /// Its arguments are values, not a lambda's captures: they stay in registers.
-  template <class W>
-  void add_each(const gradients_params<B>& grads, bool bound, W scale) noexcept {
+  template <class W, bool Bound>
+  void add_each(const gradients_params<B>& grads, W scale) noexcept {
     const flat_layout<B>& segments = *pending_.layout_;
     detail::flat_storage& buffer = *pending_.storage_;
     W* const acc = buffer.data<W>();
     std::size_t k = 0;
     for (const auto& e : grads) {
-      const std::size_t position = bound ? e.position : positions_[k++];
+      const std::size_t position = Bound ? e.position : positions_[k++];
       const flat_segment<B>& s = segments[position];
       detail::visit_gradient([acc, &s, scale](const auto& g) { B::add_scaled(std::span<W>(acc + s.offset, s.size), g, scale); },
                              e.value);
