@@ -326,8 +326,8 @@ class gradients_accumulator {
     for (const auto& e : grads) {
       const std::size_t position = Bound ? e.position : positions_[k++];
       const flat_segment<B>& s = segments[position];
-      detail::visit_gradient([acc, &s, scale](const auto& g) { B::add_scaled(std::span<W>(acc + s.offset, s.size), g, scale); },
-                             e.value);
+      detail::visit_gradient(
+          [acc, &s, scale](const auto& g) { B::add_scaled(std::span<W>(acc + s.offset, s.size), g, scale); }, e.value);
       buffer.mark_present(position);
     }
   }

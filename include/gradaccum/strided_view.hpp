@@ -39,8 +39,7 @@ class strided_view {
   constexpr strided_view() noexcept = default;
 
   /// Row-major contiguous values.
-  constexpr strided_view(T* data, const tensor_shape& shape) noexcept
-      : data_(data), shape_(shape), row_major_contiguous_(true) {
+  constexpr strided_view(T* data, const tensor_shape& shape) noexcept : data_(data), shape_(shape) {
     std::ptrdiff_t stride = 1;
     for (std::size_t axis = shape.rank(); axis-- > 0;) {
       strides_[axis] = stride;

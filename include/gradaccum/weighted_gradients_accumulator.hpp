@@ -220,8 +220,12 @@ class weighted_gradients_accumulator {
         (dtype == float_dtype::f32 && weight > 0.0 && static_cast<float>(weight) == 0.0F)) [[unlikely]] {
       fail_weight(weight, dtype);
     }
-    if (!representable(total, dtype)) [[unlikely]] fail_total(weight, dtype);
-    if (state_.microbatches == std::numeric_limits<std::uint64_t>::max()) [[unlikely]] fail_counter();
+    if (!representable(total, dtype)) [[unlikely]] {
+      fail_total(weight, dtype);
+    }
+    if (state_.microbatches == std::numeric_limits<std::uint64_t>::max()) [[unlikely]] {
+      fail_counter();
+    }
     if (weight > 0.0) {
       // The dtype is a work dtype (checked at construction) and the multiplier is 1 or the
       // weight checked above, so the accumulator's own scalar checks would repeat these.
