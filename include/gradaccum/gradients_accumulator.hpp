@@ -322,9 +322,10 @@ class gradients_accumulator {
     const flat_layout<B>& segments = *pending_.layout_;
     detail::flat_storage& buffer = *pending_.storage_;
     W* const acc = buffer.data<W>();
-    std::size_t k = 0;
+    std::size_t k = 0;  // the k-th gradient's position in positions_ (unbound only)
     for (const auto& e : grads) {
-      const std::size_t position = Bound ? e.position : positions_[k++];
+      std::size_t position = e.position;
+      if constexpr (!Bound) position = positions_[k++];
       const flat_segment<B>& s = segments[position];
       detail::visit_gradient(
           [acc, &s, scale](const auto& g) { B::add_scaled(std::span<W>(acc + s.offset, s.size), g, scale); }, e.value);
@@ -394,6 +395,7 @@ class gradients_accumulator {
     }
     lay_out(params, dtype, laid_out ? *laid_out : nullptr);
   }
+  /// `prepare`'s work when the buffer is not ready: out of line, off the steady path.
   [[gnu::noinline]] void lay_out(const parameter_set<B>& params, float_dtype dtype,
                                  const std::shared_ptr<const flat_layout<B>>& laid_out) {
     std::shared_ptr<const flat_layout<B>> layout =
