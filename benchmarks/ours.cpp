@@ -5,6 +5,7 @@
 /// window holds a pending tensor and a call costs what a training step pays per microbatch.
 /// Incoming gradients are views of the shared buffers (no copy), in a gradients container bound
 /// to the parameter set (ids resolved once, at insert), as a training loop keeps them; the
+/// "_buffer" cases hold them in a `gradient_buffer` the backward pass writes into; the
 /// many-small cases also show the unbound container, which resolves every id on every call.
 
 #include "bench_peers.hpp"
@@ -34,9 +35,9 @@ namespace {
 
 /// Drives one accumulator through `accumulate_sum` (weight 1) or `accumulate_mean`
 /// (weight `mean_weight`): the total weight grows by at most 3 per call, far from the F32 limit.
-template <class B>
+template <class B, class G>
 void accumulate_loop(benchmark::State& state, const accumulate_case& c, const gradaccum::parameter_set<B>& params,
-                     const gradaccum::gradients_params<B>& grads, gradaccum::float_dtype work) {
+                     const G& grads, gradaccum::float_dtype work) {
   gradaccum::weighted_gradients_accumulator<B> acc(work, 1.0);
   const auto step = [&] {
     if (c.mean) {
@@ -112,6 +113,22 @@ void accumulate_case_body(benchmark::State& state, accumulate_case c) {
   gradaccum::gradients_params<B> grads(params);
   grads.insert("w", backend_of<B>::view(g, n));
   accumulate_loop(state, c, params, grads, gradaccum::dtype_of<W>);
+  state.counters["bytes"] = accumulate_bytes<W, In>(n);
+}
+
+/// The same gradient in a `gradient_buffer` laid out for the parameter set, as a backward pass
+/// that writes into it leaves it: the call adds the buffer in one pass, resolving nothing.
+template <class B, class W, class In>
+void accumulate_buffer_body(benchmark::State& state, accumulate_case c) {
+  using E = typename backend_of<B>::template element<In>;
+  const std::size_t n = c.elements();
+  const auto* g = elements_of<B, In>(pool().gradient<In>(n));
+  gradaccum::parameter_set<B> params;
+  params.add("w", backend_of<B>::view(g, n));
+  gradaccum::gradient_buffer<B, E> buffer(params);
+  const std::span<E> segment = buffer.values("w");
+  std::memcpy(segment.data(), g, segment.size_bytes());
+  accumulate_loop(state, c, params, buffer, gradaccum::dtype_of<W>);
   state.counters["bytes"] = accumulate_bytes<W, In>(n);
 }
 
@@ -229,6 +246,8 @@ void register_ours_accumulate(const accumulate_case& c) {
     c.visit([&]<class W, class In>() {
       add(c.name() + "/" + backend_of<B>::name, c.bytes,
           [c](benchmark::State& s) { accumulate_case_body<B, W, In>(s, c); });
+      add(c.name() + "/" + backend_of<B>::name + "_buffer", c.bytes,
+          [c](benchmark::State& s) { accumulate_buffer_body<B, W, In>(s, c); });
     });
   });
 }

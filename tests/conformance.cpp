@@ -880,6 +880,64 @@ TEST_CASE_TEMPLATE("a gradients_params reused across microbatches is checked in 
   }
 }
 
+TEST_CASE_TEMPLATE("bound gradients check their owned tensors on every call, whatever replaced what", B,
+                   GRADACCUM_TEST_BACKENDS) {
+  // Views are checked once, at insert; owned tensors, which get<T> hands out mutably, on every
+  // call. Each way an entry changes kind (tensor over view, view over tensor, erase, clear)
+  // must keep the owned ones checked.
+  const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
+  weighted_gradients_accumulator<B> acc(float_dtype::f32, 1.0);
+  gradients_params<B> grads(params);
+  const auto ones_a = make_tensor<B, float>(shape_a, multiples(shape_a, 1));
+  const auto misshapen = [] { return make_tensor<B, float>(shape_b, multiples(shape_b, 1)); };
+  const auto owned_a_is_checked = [&] {
+    const auto before = acc.try_to_record();
+    const auto kept = *grads.template get<float>("a");
+    *grads.template get<float>("a") = misshapen();
+    GRADACCUM_CHECK_REJECTED(acc.accumulate_sum(params, grads, 1), errc::parameter_mismatch, "a");
+    GRADACCUM_CHECK_SAME_BITS(acc.try_to_record(), before);
+    *grads.template get<float>("a") = kept;
+  };
+  grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
+  grads.insert("b", make_tensor<B, float>(shape_b, multiples(shape_b, 2)));
+  grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));  // a tensor over a tensor
+  CHECK(grads.owned_count() == 2);
+  owned_a_is_checked();
+  acc.accumulate_sum(params, grads, 1);
+  if constexpr (gradaccum::detail::has_views<B>) {
+    const auto fives_b = make_tensor<B, float>(shape_b, multiples(shape_b, 5));
+    grads.insert("b", backend_fixture<B>::view_of(fives_b));  // a view over a tensor
+    CHECK(grads.owned_count() == 1);
+    owned_a_is_checked();
+    acc.accumulate_sum(params, grads, 1);
+    grads.insert("a", backend_fixture<B>::view_of(ones_a));  // a view over a tensor
+    CHECK(grads.owned_count() == 0);
+    acc.accumulate_sum(params, grads, 1);
+    grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));  // a tensor over a view
+    CHECK(grads.owned_count() == 1);
+    owned_a_is_checked();
+    acc.accumulate_sum(params, grads, 1);
+    CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 4)));
+    CHECK(values_of<float>(acc.pending(), "b") == as<float>(multiples(shape_b, 17)));
+    CHECK(grads.erase("b"));  // erasing a view keeps the count
+    CHECK(grads.owned_count() == 1);
+    owned_a_is_checked();
+  } else {
+    CHECK(grads.erase("b"));
+    CHECK(grads.owned_count() == 1);
+  }
+  CHECK(grads.erase("a"));
+  CHECK(grads.owned_count() == 0);
+  grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
+  CHECK(grads.owned_count() == 1);
+  owned_a_is_checked();
+  grads.clear();
+  CHECK(grads.owned_count() == 0);
+  grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
+  CHECK(grads.owned_count() == 1);
+  owned_a_is_checked();
+}
+
 TEST_CASE_TEMPLATE("calls repeated with unchanged views add into the right tensors after every change", B,
                    GRADACCUM_TEST_BACKENDS) {
   if constexpr (gradaccum::detail::has_views<B>) {

@@ -3,6 +3,7 @@
 /// @brief `gradients_accumulator<B>`: sums gradients into one contiguous work-dtype buffer.
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -12,9 +13,11 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "gradaccum/backend.hpp"
+#include "gradaccum/detail/attributes.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/flat_gradients.hpp"
@@ -294,11 +297,7 @@ class gradients_accumulator {
     // which `get<T>` hands out mutably, are checked again.
     const bool bound = grads.bound_to(params);
     if (bound) {
-      for (const auto& e : grads) {
-        if (gradients_params<B>::is_view(e.value)) continue;
-        detail::visit_gradient([&](const auto& value) { detail::check_geometry<B>(params[e.position], e.id, value); },
-                               e.value);
-      }
+      if (grads.owned_count() != 0) check_owned(params, grads);
     } else {
       resolve_positions(params, grads);
     }
@@ -316,9 +315,16 @@ class gradients_accumulator {
   }
 
   /// The adds of `add`, into the prepared buffer (positions from the binding or `positions_`).
-  /// Its arguments are values, not a lambda's captures: they stay in registers.
+  /// Each gradient goes to the add of its alternative through a table of functions, with the
+  /// segment and scale as arguments: they stay in registers (a visiting lambda's captures were
+  /// written to the stack for every gradient).
   template <class W, bool Bound>
   void add_each(const gradients_params<B>& grads, W scale) noexcept {
+    using value_type = typename gradients_params<B>::value_type;
+    using add_one = void (*)(std::span<W>, const value_type&, W) noexcept;
+    static constexpr auto adds = []<std::size_t... I>(std::index_sequence<I...>) {
+      return std::array<add_one, sizeof...(I)>{&add_alternative<W, I>...};
+    }(std::make_index_sequence<std::variant_size_v<value_type>>{});
     const flat_layout<B>& segments = *pending_.layout_;
     detail::flat_storage& buffer = *pending_.storage_;
     W* const acc = buffer.data<W>();
@@ -327,9 +333,23 @@ class gradients_accumulator {
       std::size_t position = e.position;
       if constexpr (!Bound) position = positions_[k++];
       const flat_segment<B>& s = segments[position];
-      detail::visit_gradient(
-          [acc, &s, scale](const auto& g) { B::add_scaled(std::span<W>(acc + s.offset, s.size), g, scale); }, e.value);
+      adds[e.value.index()](std::span<W>(acc + s.offset, s.size), e.value, scale);
       buffer.mark_present(position);
+    }
+  }
+  template <class W, std::size_t I>
+  static void add_alternative(std::span<W> acc, const typename gradients_params<B>::value_type& value,
+                              W scale) noexcept {
+    B::add_scaled(acc, detail::unwrap(*std::get_if<I>(&value)), scale);
+  }
+
+  /// Checks the owned tensors of bound gradients against their parameters, views having been
+  /// checked at insert. Out of line: gradients that are all views never come here.
+  [[gnu::noinline]] static void check_owned(const parameter_set<B>& params, const gradients_params<B>& grads) {
+    for (const auto& e : grads) {
+      if (gradients_params<B>::is_view(e.value)) continue;
+      detail::visit_gradient([&](const auto& value) { detail::check_geometry<B>(params[e.position], e.id, value); },
+                             e.value);
     }
   }
 
@@ -387,8 +407,8 @@ class gradients_accumulator {
   /// already, and nothing is copied (not even a shared_ptr); else a layout (the current one, or
   /// `laid_out` when given and the current one is not this set's, or a new one) and a writable
   /// buffer are made first and committed after, so a failure changes nothing.
-  void prepare(const parameter_set<B>& params, float_dtype dtype,
-               const std::shared_ptr<const flat_layout<B>>* laid_out = nullptr) {
+  GRADACCUM_ALWAYS_INLINE void prepare(const parameter_set<B>& params, float_dtype dtype,
+                                       const std::shared_ptr<const flat_layout<B>>* laid_out = nullptr) {
     if (pending_.storage_ && pending_.storage_->dtype == dtype && pending_.layout_ == layout_ &&
         layout_->laid_out_for(params)) [[likely]] {
       return;

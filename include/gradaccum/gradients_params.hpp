@@ -192,6 +192,7 @@ class gradients_params {
   bool erase(std::string_view id) noexcept {
     const auto position = find(id);
     if (!position) return false;
+    owned_ -= is_view(entries_[*position].value) ? 0 : 1;
     entries_.erase(*position);
     index_.rebuild(entries_.size(), key_of());
     return true;
@@ -200,11 +201,14 @@ class gradients_params {
   void clear() noexcept {
     entries_.clear();
     index_.clear();
+    owned_ = 0;
   }
 
   [[nodiscard]] bool contains(std::string_view id) const noexcept { return find(id).has_value(); }
   [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
   [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
+  /// @brief How many gradients are owned tensors (the rest are views).
+  [[nodiscard]] std::size_t owned_count() const noexcept { return owned_; }
   [[nodiscard]] auto begin() const noexcept { return entries_.cbegin(); }
   [[nodiscard]] auto end() const noexcept { return entries_.cend(); }
 
@@ -280,6 +284,7 @@ class gradients_params {
             params_ ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); },
                                              replacement)
                     : 0;
+        owned_ -= is_view(entries_[*position].value) ? 0 : 1;
         entries_[*position].value = std::move(replacement);
         entries_[*position].position = parameter;
         return;
@@ -298,12 +303,16 @@ class gradients_params {
         }
       }
     };
+    constexpr std::size_t owned = std::is_same_v<stored, std::remove_cvref_t<A>> ? 1 : 0;
     if (position) {
+      const std::size_t replaced = is_view(entries_[*position].value) ? 0 : 1;
       entries_.replace_with(*position, construct);  // the old entry stays whole if this throws
+      owned_ = owned_ - replaced + owned;
       return;
     }
     entries_.emplace_back_with(construct);
     index_.insert(entries_.size() - 1, entries_.back().id);
+    owned_ += owned;
   }
 
   void reserve(std::size_t count) {
@@ -344,6 +353,7 @@ class gradients_params {
       }
     });
     index_.insert(entries_.size() - 1, entries_.back().id);
+    ++owned_;
   }
 
   /// Position of a record tensor's parameter, checking shape and dtype.
@@ -414,6 +424,7 @@ class gradients_params {
   detail::id_index index_;
   const parameter_set<B>* params_ = nullptr;  // the set ids are resolved against at insert, if any
   std::uint64_t params_identity_ = 0;
+  std::size_t owned_ = 0;  // entries holding a tensor, not a view: checked again on every call
 };
 
 }  // namespace gradaccum

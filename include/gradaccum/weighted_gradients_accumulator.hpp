@@ -215,12 +215,15 @@ class weighted_gradients_accumulator {
   void accumulate(const parameter_set<B>& params, const G& grads, double weight, double multiplier) {
     const float_dtype dtype = state_.dtype;
     const double total = state_.total_weight + weight;
-    // The checks stay a few instructions on the steady path; the messages are built out of line.
-    if (!(weight >= 0.0) || !representable(weight, dtype) ||
+    // `representable` for a non-negative value of a work dtype, in a few instructions: below
+    // the point where F32 rounds to infinity, or finite. NaN fails every comparison. The
+    // messages are built out of line.
+    const double limit = dtype == float_dtype::f32 ? 0x1.ffffffp127 : std::numeric_limits<double>::infinity();
+    if (!(weight >= 0.0 && weight < limit) ||
         (dtype == float_dtype::f32 && weight > 0.0 && static_cast<float>(weight) == 0.0F)) [[unlikely]] {
       fail_weight(weight, dtype);
     }
-    if (!representable(total, dtype)) [[unlikely]] {
+    if (!(total < limit)) [[unlikely]] {
       fail_total(weight, dtype);
     }
     if (state_.microbatches == std::numeric_limits<std::uint64_t>::max()) [[unlikely]] {
