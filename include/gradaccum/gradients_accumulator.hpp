@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "gradaccum/backend.hpp"
-#include "gradaccum/detail/attributes.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/flat_gradients.hpp"
@@ -305,7 +304,9 @@ class gradients_accumulator {
 
     // 2. Allocate what is missing: a layout for this parameter set, a buffer in `dtype`.
     // 3. Commit and add: nothing below can throw.
-    prepare(params, dtype);
+    if (!ready_for(params, dtype)) [[unlikely]] {
+      lay_out(params, dtype, nullptr);
+    }
     if (dtype == float_dtype::f64) {
       bound ? add_each<double, true>(grads, multiplier) : add_each<double, false>(grads, multiplier);
     } else {
@@ -371,7 +372,9 @@ class gradients_accumulator {
   void add(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, double multiplier, float_dtype dtype) {
     validate(params, grads);
     if (grads.empty()) return;
-    prepare(params, dtype, &grads.layout_);  // the buffer's layout is this set's; then nothing throws
+    if (!ready_for(params, dtype)) [[unlikely]] {
+      lay_out(params, dtype, &grads.layout_);  // the buffer's layout is this set's; then nothing throws
+    }
     // Both buffers have the same segments, so a run of present segments is one stretch of
     // both, the zero padding between them included.
     const flat_layout<B>& segments = *pending_.layout_;
@@ -403,23 +406,20 @@ class gradients_accumulator {
     });
   }
 
-  /// Makes the pending buffer one laid out for `params` in `dtype`: in the steady state it is
-  /// already, and nothing is copied (not even a shared_ptr); else a layout (the current one, or
-  /// `laid_out` when given and the current one is not this set's, or a new one) and a writable
-  /// buffer are made first and committed after, so a failure changes nothing.
-  GRADACCUM_ALWAYS_INLINE void prepare(const parameter_set<B>& params, float_dtype dtype,
-                                       const std::shared_ptr<const flat_layout<B>>* laid_out = nullptr) {
-    if (pending_.storage_ && pending_.storage_->dtype == dtype && pending_.layout_ == layout_ &&
-        layout_->laid_out_for(params)) [[likely]] {
-      return;
-    }
-    lay_out(params, dtype, laid_out ? *laid_out : nullptr);
+  /// Whether the pending buffer is one laid out for `params` in `dtype`, as it is in the steady
+  /// state; else `lay_out` makes it one.
+  [[nodiscard]] bool ready_for(const parameter_set<B>& params, float_dtype dtype) const noexcept {
+    return pending_.storage_ && pending_.storage_->dtype == dtype && pending_.layout_ == layout_ &&
+           layout_->laid_out_for(params);
   }
-  /// `prepare`'s work when the buffer is not ready: out of line, off the steady path.
+  /// Makes the pending buffer one laid out for `params` in `dtype`: a layout (the current one,
+  /// or `*laid_out` when given and the current one is not this set's, or a new one) and a
+  /// writable buffer are made first and committed after, so a failure changes nothing. Out of
+  /// line, off the steady path.
   [[gnu::noinline]] void lay_out(const parameter_set<B>& params, float_dtype dtype,
-                                 const std::shared_ptr<const flat_layout<B>>& laid_out) {
+                                 const std::shared_ptr<const flat_layout<B>>* laid_out) {
     std::shared_ptr<const flat_layout<B>> layout =
-        laid_out && !(layout_ && layout_->laid_out_for(params)) ? laid_out : layout_for(params);
+        laid_out && !(layout_ && layout_->laid_out_for(params)) ? *laid_out : layout_for(params);
     std::shared_ptr<detail::flat_storage> storage = writable(layout, dtype);
     layout_ = layout;
     pending_.layout_ = std::move(layout);
