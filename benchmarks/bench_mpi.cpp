@@ -76,24 +76,56 @@ constexpr float loss_scale = 1024.0F;
 constexpr double tokens_per_rank = 1000.0;
 constexpr float total_weight = 2 * tokens_per_rank;  // over 2 ranks, as the targets assume
 
-/// Runs `prepare()` untimed, then `body()` on every rank at once; a run takes as long as its
-/// slowest rank, and an iteration as long as the fastest run (the same on every rank).
+/// `body()` on every rank at once, in seconds: as long as its slowest rank.
+template <class Body>
+double time_on_all_ranks(Body&& body) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  const double start = MPI_Wtime();
+  body();
+  double elapsed = MPI_Wtime() - start;
+  MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return elapsed;
+}
+
+/// Runs `prepare()` untimed, then `body()` on every rank at once; an iteration takes as long
+/// as the fastest run (the same on every rank). Returns the fastest run of all.
 template <class Prepare, class Body>
-void timed_loop(benchmark::State& state, const layout& shape, Prepare&& prepare, Body&& body) {
+double timed_loop(benchmark::State& state, const layout& shape, Prepare&& prepare, Body&& body) {
   std::vector<double> runs(shape.samples);
+  double fastest = 1e300;
   for (auto _ : state) {
     for (double& elapsed : runs) {
       prepare();
-      MPI_Barrier(MPI_COMM_WORLD);
-      const double start = MPI_Wtime();
-      body();
-      elapsed = MPI_Wtime() - start;
-      MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      elapsed = time_on_all_ranks(body);
     }
-    state.SetIterationTime(*std::min_element(runs.begin(), runs.end()));
+    const double iteration = *std::min_element(runs.begin(), runs.end());
+    state.SetIterationTime(iteration);
+    fastest = std::min(fastest, iteration);
   }
   state.counters["bytes"] = static_cast<double>(shape.bytes());
+  return fastest;
 }
+
+/// The raw `MPI_Allreduce` of one contiguous buffer of `bytes`, timed right before each of our
+/// runs: counter `vs_mpi_raw` is the fastest of ours over the fastest of these, from the same
+/// seconds of the machine. Cases run one after another, and on a shared machine their speed
+/// drifts by more than the 5 % they are to be told apart by.
+class paired_raw {
+ public:
+  explicit paired_raw(std::size_t elements) : values_(elements) {}
+  void run() {
+    std::fill(values_.begin(), values_.end(), 1.0F);
+    fastest_ = std::min(fastest_, time_on_all_ranks([&] {
+                          MPI_Allreduce(MPI_IN_PLACE, values_.data(), static_cast<int>(values_.size()), MPI_FLOAT,
+                                        MPI_SUM, MPI_COMM_WORLD);
+                        }));
+  }
+  [[nodiscard]] double fastest() const noexcept { return fastest_; }
+
+ private:
+  std::vector<float> values_;
+  double fastest_ = 1e300;
+};
 
 /// The floor: one in-place `MPI_Allreduce` of every value, already contiguous.
 void mpi_raw(benchmark::State& state, const layout& shape) {
@@ -188,9 +220,11 @@ void ours(benchmark::State& state, const layout& shape, call how) {
   gradaccum::accumulated_gradients<B> sums;
   gradaccum::accumulated_gradients<B> mean;
   gradaccum::sharded_gradients<B> shard;
-  timed_loop(
+  paired_raw raw(shape.elements());
+  const double fastest = timed_loop(
       state, shape,
       [&] {
+        if (how == call::blocking) raw.run();  // first: our sums are then as fresh as its values were
         mean = {};
         shard = {};
         window.accumulate_sum(params, gradients, tokens_per_rank);
@@ -209,6 +243,7 @@ void ours(benchmark::State& state, const layout& shape, call how) {
                                                  gradaccum::shard_reduction::same_as_allreduce);
         }
       });
+  if (how == call::blocking) state.counters["vs_mpi_raw"] = fastest / raw.fastest();
   state.counters["result_bytes"] = static_cast<double>(how == call::sharded || how == call::sharded_same_as_allreduce
                                                            ? shard.range().size * sizeof(float)
                                                            : mean.gradients.template flat<float>().size_bytes());
@@ -222,6 +257,8 @@ class ratio_reporter : public benchmark::ConsoleReporter {
     for (const Run& run : runs) {
       if (run.run_type == Run::RT_Aggregate && run.aggregate_name == "median") {
         medians_[run.run_name.function_name] = run.GetAdjustedRealTime();
+        const auto paired = run.counters.find("vs_mpi_raw");
+        if (paired != run.counters.end()) paired_[run.run_name.function_name] = paired->second.value;
       }
     }
   }
@@ -246,10 +283,14 @@ class ratio_reporter : public benchmark::ConsoleReporter {
                     mine->second / theirs->second, mine->second, theirs->second);
       }
     }
+    std::printf(
+        "\nours_eigen / a raw MPI_Allreduce timed right before each of its runs (counter vs_mpi_raw, median)\n");
+    for (const auto& [name, ratio] : paired_) std::printf("  %-48s %6.2fx\n", name.c_str(), ratio);
   }
 
  private:
   std::map<std::string, double> medians_;  // function name → median real time (ms)
+  std::map<std::string, double> paired_;   // function name → median of its vs_mpi_raw counter
 };
 
 /// Prints nothing: ranks other than 0 run every case but report none.
