@@ -1,6 +1,6 @@
 /// @file
-/// @brief Checkpoints lose nothing: checksums catch changed bits, files of format 2 still
-/// load, ids text archives cannot hold are refused, files that are not regular are refused
+/// @brief Checkpoints lose nothing: checksums catch changed bits, files of formats 2 and 3
+/// still load, ids text archives cannot hold are refused, files that are not regular are refused
 /// without blocking, long names save, length fields cannot make a load allocate, and XML
 /// numbers parse strictly.
 
@@ -17,6 +17,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include <sys/stat.h>
@@ -36,7 +37,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-/// The window the fixtures of format 2 (tests/fixtures/window_v2.*) were written from.
+/// The window the fixtures of formats 2 and 3 (tests/fixtures/window_v2.*, window_v3.*) were
+/// written from.
 weighted_gradients_record fixture_window() {
   weighted_gradients_record r;
   r.state = {float_dtype::f32, 1024.0, 320.5, 3};
@@ -75,20 +77,24 @@ errc code_of_parse(const std::string& bytes, checkpoint_format format) {
 
 }  // namespace
 
-TEST_CASE("checkpoints of format 2, which carry no checksum, still load") {
-  for (const checkpoint_format format : all_formats) {
-    CAPTURE(format);
-    const fs::path path = fs::path(GRADACCUM_TEST_FIXTURES) / ("window_v2" + extension_of(format));
-    CHECK(load_checkpoint<weighted_gradients_record>(path) == fixture_window());
-    const auto params = [] {
-      parameter_set<eigen_backend> p;
-      p.add("encoder.weight", tensor_shape{2, 3}, {});
-      p.add("decoder.bias", tensor_shape{1, 3}, {});
-      return p;
-    }();
-    weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f64, 1.0);
-    load_checkpoint(path, params, acc);
-    CHECK(acc.try_to_record() == fixture_window());
+TEST_CASE("checkpoints of formats 2 (no checksum) and 3 (a tensor's values after its entry) still load") {
+  for (const auto& [stem, version] : {std::pair{"window_v2", 2U}, std::pair{"window_v3", 3U}}) {
+    for (const checkpoint_format format : all_formats) {
+      CAPTURE(stem);
+      CAPTURE(format);
+      const fs::path path = fs::path(GRADACCUM_TEST_FIXTURES) / (stem + extension_of(format));
+      CHECK(checkpoint_version(path) == version);
+      CHECK(load_checkpoint<weighted_gradients_record>(path) == fixture_window());
+      const auto params = [] {
+        parameter_set<eigen_backend> p;
+        p.add("encoder.weight", tensor_shape{2, 3}, {});
+        p.add("decoder.bias", tensor_shape{1, 3}, {});
+        return p;
+      }();
+      weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f64, 1.0);
+      load_checkpoint(path, params, acc);
+      CHECK(acc.try_to_record() == fixture_window());
+    }
   }
 }
 
