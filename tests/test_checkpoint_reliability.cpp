@@ -365,7 +365,8 @@ TEST_CASE("large values are hashed while they load: a changed bit anywhere is re
   }
 }
 
-TEST_CASE("a window's values block: a changed bit or a cut anywhere in it or its directory is refused, nothing changes") {
+TEST_CASE(
+    "a window's values block: a changed bit or a cut anywhere in it or its directory is refused, nothing changes") {
   // Segments padded to 16 elements and an absent parameter: the block the window writes holds
   // zeros between its tensors. Loaded into the same layout it is read whole; into a parameter
   // set in another order, tensor by tensor.

@@ -35,11 +35,11 @@
 ///   it is and read back with one read. Version 3 wrote the values after the directory in
 ///   record order, version 2 each tensor as a `tensor_record`. Strings and lists elsewhere are
 ///   a size followed by one raw block, never element by element.
-/// - Text archives write records of version 4 as of version 3. They write shapes as arrays of numbers and values as one
-/// string of numbers
-///   separated by spaces, each the shortest text that reads back to the same value
-///   (`std::to_chars`, about 10 bytes per F32): exact for every finite value, ±inf and NaN; a
-///   NaN keeps its sign, and its payload survives binary archives only.
+/// - Text archives write records of version 4 as of version 3 (one node per tensor, which a
+///   text reader parses anyway). They write shapes as arrays of numbers and values as one
+///   string of numbers separated by spaces, each the shortest text that reads back to the same
+///   value (`std::to_chars`, about 10 bytes per F32): exact for every finite value, ±inf and
+///   NaN; a NaN keeps its sign, and its payload survives binary archives only.
 ///
 /// Loading treats the bytes as untrusted. Every problem found by these functions throws
 /// `gradaccum::error` naming it: `errc::invalid_state` for the accumulation state's fields and

@@ -318,8 +318,9 @@ class flat_gradients {
 
   /// @brief `f(view)` with the present parameters as a `detail::gradients_view` (sorted by id)
   /// borrowing this buffer's values; returns what `f` returns. The view's block is the buffer
-  /// from the first present segment to the end of the last when they fill at least half of it,
-  /// so a sparse window is not written with the zeros of its absent segments.
+  /// from the first present segment to the end of the last unless it holds more zeros than
+  /// values and more than 4 KiB of them, so a sparse window is not written with the zeros of its
+  /// absent segments.
   template <class F>
   decltype(auto) visit_record(F&& f) const {
     std::vector<std::array<std::uint64_t, max_rank>> shapes(size());
@@ -338,7 +339,8 @@ class flat_gradients {
       }
       const std::size_t begin = (*layout_)[first].offset;
       const std::size_t end = (*layout_)[last].offset + (*layout_)[last].size;
-      if (2 * present_elements >= end - begin) {
+      const std::size_t zeros = end - begin - present_elements;
+      if (zeros <= present_elements || zeros * storage_->element_size() <= 4096) {
         block = storage_->dtype == float_dtype::f64
                     ? detail::values_view(std::span<const double>(storage_->data<double>() + begin, end - begin))
                     : detail::values_view(std::span<const float>(storage_->data<float>() + begin, end - begin));
