@@ -725,11 +725,17 @@ class directory_reader {
   template <class U>
   U little_endian() {
     const std::string_view bytes = take(sizeof(U));
-    std::uint64_t value = 0;
-    for (std::size_t i = 0; i < sizeof(U); ++i) {
-      value |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+    if constexpr (std::endian::native == std::endian::little) {
+      U value = 0;
+      std::memcpy(&value, bytes.data(), sizeof(U));
+      return value;
+    } else {
+      std::uint64_t value = 0;
+      for (std::size_t i = 0; i < sizeof(U); ++i) {
+        value |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+      }
+      return static_cast<U>(value);
     }
-    return static_cast<U>(value);
   }
 
  private:
