@@ -752,8 +752,18 @@ TEST_CASE("a binary directory of format 4 that does not describe its block is re
   spaced[20] = 1;
   refused(window_with(2, padded.str(), spaced, spaced.size()), "not zero");
   refused(window_with(2, good.str(), block + std::string(3, '\0') + "\x01", block.size() + 4), "not zero");
-  // The block's size is checked against the input before anything is read by it.
+  // The block's size is checked against the input before anything is read by it, and the
+  // directory's size against its count and the input before it is allocated.
   refused(window_with(2, good.str(), block, std::uint64_t{1} << 50), "bytes left hold");
+  const auto header = [](std::uint64_t count, std::uint64_t directory_bytes) {
+    binary_bytes bytes;
+    bytes.u32(4).u32(4).text("F32").f64(1.0).f64(1.0).u64(1).u64(
+        detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
+    bytes.u32(4).u64(count).u64(directory_bytes);
+    return bytes.str();
+  };
+  refused(header(1, std::uint64_t{1} << 40), "more than the entries of its 1 tensors take");
+  refused(header(1000, 1'000'000), "bytes left hold");
   // A directory or a block whose checksum does not match.
   std::string flipped = window_with(2, good.str(), block, block.size());
   flipped[flipped.find(std::string_view("\x01\x00\x00\x00w", 5)) + 4] ^= 0x20;  // 'w' -> 'W'
