@@ -14,12 +14,13 @@
 ///                    restore into the accumulator;
 ///  - `ours_record`   the same without the accumulator: save_checkpoint(path, record) of a record
 ///                    taken beforehand, load_checkpoint<weighted_gradients_record>(path);
-///  - `checksum`      (binary, one tensor) only the XXH3-64 a save adds: it hashes each 256 KiB
-///                    piece right before the piece is written, so the piece is in cache and the
-///                    read from memory is the copy's, paid without a checksum too. The peer hashes
-///                    one cache-resident piece as many times as the window has pieces; its time over
-///                    `ours_eigen`'s save is the checksum's share, bound ≤ 5 %. (A load of 8 MiB of
-///                    values or more hashes them on a worker thread while it reads the next pieces.)
+///  - `checksum`      (binary, one tensor) only the XXH3-64 a save adds below 8 MiB: it hashes each
+///                    256 KiB piece right before the piece is written, so the piece is in cache and
+///                    the read from memory is the copy's, paid without a checksum too. The peer
+///                    hashes one cache-resident piece as many times as the window has pieces; its
+///                    time over `ours_eigen`'s save is the checksum's share, bound ≤ 5 %. (A save
+///                    or load of 8 MiB of values or more hashes them on a worker thread while it
+///                    writes them, or reads the next pieces.)
 ///  - `pieces`, `pieces_hashed` (binary, one tensor) the hand peer's fwrite / fread in those
 ///                    pieces (256 KiB saved, 32 KiB loaded) (loads into one reused buffer, as an accumulator's),
 ///                    without and with XXH3-64 on the calling thread after each piece: `ours_eigen`'s load, checksum
@@ -197,7 +198,7 @@ void hand_snapshot(benchmark::State& state, const window& w) {
 }
 
 /// The checksum alone: XXH3-64 over as many bytes as the window's values, in the pieces a save
-/// or load of format 3 hashes them, each in cache (see the file comment; the rest of the record
+/// or load of format 4 hashes them, each in cache (see the file comment; the rest of the record
 /// adds a few dozen bytes), so its share of a save or load shows.
 void checksum_only(benchmark::State& state, const window& w) {
   const std::size_t total = w.count * w.elements;

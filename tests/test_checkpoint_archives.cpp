@@ -168,13 +168,13 @@ TEST_CASE("text archives name every field, write dtypes as names and carry the f
                                          {float_dtype::f32, 1024.0, 3.0, 2}};
   const std::string json = serialize_checkpoint(record, checkpoint_format::json);
   for (const char* expected :
-       {"\"weighted_gradients_record\": {", "\"cereal_class_version\": 3", "\"state\": {", "\"dtype\": \"F32\"",
+       {"\"weighted_gradients_record\": {", "\"cereal_class_version\": 4", "\"state\": {", "\"dtype\": \"F32\"",
         "\"loss_scale\": 1024.0", "\"total_weight\": 3.0", "\"microbatches\": 2", "\"gradients\": {", "\"tensors\": [",
         "\"id\": \"fc1.bias\"", "\"shape\": [", "\"values\": \"0.5 -2\""}) {
     CHECK_MESSAGE(json.find(expected) != std::string::npos, "JSON lacks " << expected << ":\n" << json);
   }
   const std::string xml = serialize_checkpoint(record, checkpoint_format::xml);
-  for (const char* expected : {"<weighted_gradients_record>", "<cereal_class_version>3</cereal_class_version>",
+  for (const char* expected : {"<weighted_gradients_record>", "<cereal_class_version>4</cereal_class_version>",
                                "<dtype>F32</dtype>", "<loss_scale>1024</loss_scale>", "<microbatches>2</microbatches>",
                                "<id>fc1.bias</id>", "<shape size=\"dynamic\">", "<values>0.5 -2</values>"}) {
     CHECK_MESSAGE(xml.find(expected) != std::string::npos, "XML lacks " << expected << ":\n" << xml);

@@ -119,7 +119,9 @@ TEST_CASE("checkpoints round-trip by path in every format, chosen by extension o
 
     const fs::path explicit_format = directory / "window.ckpt";
     save_checkpoint(explicit_format, accumulator, format);
-    CHECK(read_bytes(explicit_format) == serialize_checkpoint(record, format));
+    // Binary archives write an accumulator's buffer as it is, a record's values in record order.
+    if (detail::is_text_format(format)) CHECK(read_bytes(explicit_format) == serialize_checkpoint(record, format));
+    GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(read_bytes(explicit_format), format), record);
     weighted_gradients_accumulator<backend> restored(float_dtype::f64, 2.0);
     load_checkpoint(explicit_format, params, restored, format);
     GRADACCUM_CHECK_SAME_BITS(restored.try_to_record(), record);

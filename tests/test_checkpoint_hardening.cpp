@@ -106,6 +106,11 @@ class binary_bytes {
     for (std::uint64_t dim : shape) u64(dim);
     return *this;
   }
+  /// One tensor's directory entry of format 4: that of format 3, then its values' offset.
+  binary_bytes& entry(std::string_view id, std::uint8_t dtype_code, std::initializer_list<std::uint64_t> shape,
+                      std::uint64_t offset) {
+    return entry(id, dtype_code, shape).u64(offset);
+  }
   binary_bytes& values(std::initializer_list<float> values) {
     for (float value : values) raw(&value, sizeof value);
     return *this;
@@ -150,10 +155,10 @@ std::string format_2_document(const R& record, checkpoint_format format) {
   const std::string current = serialize_checkpoint(record, format);
   if (format == checkpoint_format::json) {
     const std::string unversioned = std::regex_replace(current, std::regex(",\n *\"checksum\": [0-9]+"), "");
-    return std::regex_replace(unversioned, std::regex("\"cereal_class_version\": 3"), "\"cereal_class_version\": 2");
+    return std::regex_replace(unversioned, std::regex("\"cereal_class_version\": 4"), "\"cereal_class_version\": 2");
   }
   const std::string unversioned = std::regex_replace(current, std::regex("\t*<checksum>[0-9]+</checksum>\n"), "");
-  return std::regex_replace(unversioned, std::regex("<cereal_class_version>3<"), "<cereal_class_version>2<");
+  return std::regex_replace(unversioned, std::regex("<cereal_class_version>4<"), "<cereal_class_version>2<");
 }
 
 /// A window record with two tensors: 'b' [1, 2] = {0.5, -1}, 'w' [2, 3] = {1, ..., 6}.
@@ -237,9 +242,24 @@ class scratch_file {
 
 }  // namespace
 
-TEST_CASE("the binary layout is the documented one: fields in order, a directory, then the values back to back") {
-  // Format 3 ends a state and a gradients record with the checksum of their content, and holds
-  // a gradients record's tensors as one directory block and their values.
+TEST_CASE("the binary layout is the documented one: fields in order, a directory, then one block of values") {
+  // Format 4 ends a state with the checksum of its content, and holds a gradients record's
+  // tensors as one directory (each entry with its values' offset in the block), the block's
+  // size, the directory's checksum, the block and the block's checksum.
+  binary_bytes block;
+  block.values({0.5F, -1.0F}).values({1, 2, 3, 4, 5, 6});
+  detail::content_hash values;
+  values.add_bytes(block.str().data(), block.str().size());
+  binary_bytes current;
+  current.u32(4).u32(4).text("F32").f64(1024.0).f64(7.0).u64(2).u64(detail::state_checksum(valid_window.state));
+  binary_bytes directory;
+  directory.entry("b", 2, {1, 2}, 0).entry("w", 2, {2, 3}, 8);
+  current.u32(4).u64(2).u64(directory.str().size()).raw(directory.str().data(), directory.str().size());
+  current.u64(block.str().size()).u64(detail::directory_checksum(2, directory.str(), block.str().size()));
+  current.raw(block.str().data(), block.str().size()).u64(values.digest());
+  CHECK(current.str() == serialize_checkpoint(valid_window, checkpoint_format::binary));
+  // Format 3 held the values back to back after a directory without offsets, under one
+  // checksum of each tensor's header and values; it still loads.
   detail::content_hash tensors;
   const float b[] = {0.5F, -1.0F};
   const float w[] = {1, 2, 3, 4, 5, 6};
@@ -249,13 +269,14 @@ TEST_CASE("the binary layout is the documented one: fields in order, a directory
   tensors.add_values(std::span<const float>(b));
   detail::hash_tensor_header(tensors, "w", float_dtype::f32, w_shape, 6);
   tensors.add_values(std::span<const float>(w));
-  binary_bytes current;
-  current.u32(3).u32(3).text("F32").f64(1024.0).f64(7.0).u64(2).u64(detail::state_checksum(valid_window.state));
-  binary_bytes directory;
-  directory.entry("b", 2, {1, 2}).entry("w", 2, {2, 3});
-  current.u32(3).u64(2).u64(directory.str().size()).raw(directory.str().data(), directory.str().size());
-  current.values({0.5F, -1.0F}).values({1, 2, 3, 4, 5, 6}).u64(tensors.digest());
-  CHECK(current.str() == serialize_checkpoint(valid_window, checkpoint_format::binary));
+  binary_bytes format_3;
+  format_3.u32(3).u32(3).text("F32").f64(1024.0).f64(7.0).u64(2).u64(detail::state_checksum(valid_window.state));
+  binary_bytes directory_3;
+  directory_3.entry("b", 2, {1, 2}).entry("w", 2, {2, 3});
+  format_3.u32(3).u64(2).u64(directory_3.str().size()).raw(directory_3.str().data(), directory_3.str().size());
+  format_3.values({0.5F, -1.0F}).values({1, 2, 3, 4, 5, 6}).u64(tensors.digest());
+  GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(format_3.str(), checkpoint_format::binary),
+                            valid_window);
   // Format 2 is the same without checksums, and still loads.
   GRADACCUM_CHECK_SAME_BITS(
       parse_checkpoint<weighted_gradients_record>(valid_window_bytes().str(), checkpoint_format::binary), valid_window);
@@ -509,16 +530,16 @@ TEST_CASE("a format version other than this build's is refused for every record 
   std::string binary = valid_window_bytes().str();
   binary[0] = 1;  // the weighted record's version comes first
   check_refused(binary, checkpoint_format::binary, errc::invalid_record, "",
-                {"weighted gradients record has format version 1", "reads versions 2 to 3"});
+                {"weighted gradients record has format version 1", "reads versions 2 to 4"});
   const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
   const char* types[] = {"weighted gradients record", "accumulation state", "gradients record", "tensor record"};
   for (int occurrence = 0; occurrence < 4; ++occurrence) {
     CAPTURE(types[occurrence]);
-    check_refused(replaced(json, "\"cereal_class_version\": 3", "\"cereal_class_version\": 0", occurrence),
+    check_refused(replaced(json, "\"cereal_class_version\": 4", "\"cereal_class_version\": 0", occurrence),
                   checkpoint_format::json, errc::invalid_record, "", {types[occurrence], "format version 0"});
   }
   const std::string xml = serialize_checkpoint(valid_window, checkpoint_format::xml);
-  check_refused(replaced(xml, "<cereal_class_version>3<", "<cereal_class_version>7<", 3), checkpoint_format::xml,
+  check_refused(replaced(xml, "<cereal_class_version>4<", "<cereal_class_version>7<", 3), checkpoint_format::xml,
                 errc::invalid_record, "", {"tensor record has format version 7"});
 }
 
@@ -597,7 +618,7 @@ TEST_CASE("bytes after a binary record, or a document without the record, are re
   check_refused("{\"value0\": 5}", checkpoint_format::json, errc::invalid_record, "", {"not a valid json"});
 }
 
-TEST_CASE("a binary directory that does not describe its values is refused before anything is read for it") {
+TEST_CASE("a binary directory of format 3 that does not describe its values is refused before anything is read") {
   // The directory's own checks run before the checksum is compared, so a corrupt file is
   // refused naming what is wrong (the checksum written here is never reached).
   const auto window_with = [](std::uint64_t count, const std::string& directory, std::initializer_list<float> values) {
@@ -648,4 +669,106 @@ TEST_CASE("a binary directory that does not describe its values is refused befor
   };
   refused(header(1, std::uint64_t{1} << 40), "more than the entries of its 1 tensors take");
   refused(header(1000, 1'000'000), "bytes left hold");
+}
+
+TEST_CASE("a binary directory of format 4 that does not describe its block is refused, and changes nothing") {
+  // Forged under checksums that match, so each check behind them is reached; each is refused by
+  // a record load and by an accumulator load, which leaves the accumulator as it was.
+  const auto window_with = [](std::uint64_t count, const std::string& directory, const std::string& block,
+                              std::uint64_t block_bytes) {
+    detail::content_hash values;
+    values.add_bytes(block.data(), block.size());
+    binary_bytes bytes;
+    bytes.u32(4).u32(4).text("F32").f64(1.0).f64(1.0).u64(1).u64(
+        detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
+    bytes.u32(4).u64(count).u64(directory.size()).raw(directory.data(), directory.size());
+    bytes.u64(block_bytes).u64(detail::directory_checksum(count, directory, block_bytes));
+    bytes.raw(block.data(), block.size()).u64(values.digest());
+    return bytes.str();
+  };
+  restore_target target;
+  const weighted_gradients_record before = target.accumulator.try_to_record();
+  const scratch_file file(".bin");
+  const auto refused = [&](const std::string& bytes, std::string_view why) {
+    CAPTURE(why);
+    for (const bool into_accumulator : {false, true}) {
+      try {
+        if (into_accumulator) {
+          load_checkpoint(file.write(bytes), target.params, target.accumulator);
+        } else {
+          (void)parse_checkpoint<weighted_gradients_record>(bytes, checkpoint_format::binary);
+        }
+        FAIL("loaded");
+      } catch (const error& e) {
+        CHECK(e.code() == errc::invalid_record);
+        CHECK_MESSAGE(std::string(e.what()).find(why) != std::string::npos, e.what());
+      }
+      GRADACCUM_CHECK_SAME_BITS(target.accumulator.try_to_record(), before);
+    }
+  };
+  binary_bytes values;
+  values.values({0.5F, -1.0F, 1, 2, 3, 4, 5, 6});
+  const std::string& block = values.str();
+  binary_bytes good;
+  good.entry("b", 2, {1, 2}, 0).entry("w", 2, {2, 3}, 8);
+  CHECK(parse_checkpoint<weighted_gradients_record>(window_with(2, good.str(), block, block.size()),
+                                                    checkpoint_format::binary)
+            .gradients == valid_window.gradients);
+  refused(window_with(5, good.str(), block, block.size()), "tensors, more than its directory");
+  refused(window_with(3, good.str(), block, block.size()), "ends inside a tensor's entry");
+  binary_bytes dtype;
+  dtype.entry("b", 2, {1, 2}, 0).entry("w", 7, {2, 3}, 8);
+  refused(window_with(2, dtype.str(), block, block.size()), "unknown dtype code 7");
+  binary_bytes rank;
+  rank.entry("b", 2, {1, 1, 1, 1, 1, 1, 1, 1, 2}, 0);
+  refused(window_with(1, rank.str(), block, block.size()), "has rank 9");
+  refused(window_with(2, good.str() + "x", block, block.size()), "bytes after its last tensor");
+  binary_bytes misaligned;
+  misaligned.entry("b", 2, {1, 2}, 2).entry("w", 2, {2, 3}, 10);
+  refused(window_with(2, misaligned.str(), block + std::string(4, '\0'), block.size() + 4), "do not fit aligned");
+  binary_bytes outside;
+  outside.entry("b", 2, {1, 2}, 0).entry("w", 2, {2, 3}, 12);
+  refused(window_with(2, outside.str(), block, block.size()), "do not fit aligned");
+  binary_bytes huge_offset;
+  huge_offset.entry("b", 2, {1, 2}, 0).entry("w", 2, {2, 3}, std::uint64_t{1} << 62);
+  refused(window_with(2, huge_offset.str(), block, block.size()), "do not fit aligned");
+  binary_bytes big;
+  big.entry("b", 2, {1, 2}, 0).entry("w", 2, {1u << 20, 1u << 20}, 8);
+  refused(window_with(2, big.str(), block, block.size()), "do not fit aligned");
+  binary_bytes overlapping;
+  overlapping.entry("b", 2, {1, 2}, 0).entry("w", 2, {2, 3}, 4);
+  refused(window_with(2, overlapping.str(), block, block.size()), "overlap");
+  // Bytes between or after the tensors' values must be zero, in a block read whole (the
+  // accumulator's layout matches: 'b' is padded to 16 elements) or tensor by tensor.
+  binary_bytes padded;
+  padded.entry("b", 2, {1, 2}, 0).entry("w", 2, {2, 3}, 64);
+  std::string spaced = block.substr(0, 8) + std::string(56, '\0') + block.substr(8);
+  CHECK(parse_checkpoint<weighted_gradients_record>(window_with(2, padded.str(), spaced, spaced.size()),
+                                                    checkpoint_format::binary)
+            .gradients == valid_window.gradients);
+  weighted_gradients_accumulator<backend> restored(float_dtype::f64, 1.0);
+  load_checkpoint(file.write(window_with(2, padded.str(), spaced, spaced.size())), target.params, restored);
+  CHECK(restored.try_to_record().gradients == valid_window.gradients);
+  spaced[20] = 1;
+  refused(window_with(2, padded.str(), spaced, spaced.size()), "not zero");
+  refused(window_with(2, good.str(), block + std::string(3, '\0') + "\x01", block.size() + 4), "not zero");
+  // The block's size is checked against the input before anything is read by it, and the
+  // directory's size against its count and the input before it is allocated.
+  refused(window_with(2, good.str(), block, std::uint64_t{1} << 50), "bytes left hold");
+  const auto header = [](std::uint64_t count, std::uint64_t directory_bytes) {
+    binary_bytes bytes;
+    bytes.u32(4).u32(4).text("F32").f64(1.0).f64(1.0).u64(1).u64(
+        detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
+    bytes.u32(4).u64(count).u64(directory_bytes);
+    return bytes.str();
+  };
+  refused(header(1, std::uint64_t{1} << 40), "more than the entries of its 1 tensors take");
+  refused(header(1000, 1'000'000), "bytes left hold");
+  // A directory or a block whose checksum does not match.
+  std::string flipped = window_with(2, good.str(), block, block.size());
+  flipped[flipped.find(std::string_view("\x01\x00\x00\x00w", 5)) + 4] ^= 0x20;  // 'w' -> 'W'
+  refused(flipped, "has a directory with checksum");
+  flipped = window_with(2, good.str(), block, block.size());
+  flipped[flipped.size() - 9] ^= 0x01;
+  refused(flipped, "has checksum");
 }

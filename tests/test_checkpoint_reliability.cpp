@@ -1,6 +1,6 @@
 /// @file
-/// @brief Checkpoints lose nothing: checksums catch changed bits, files of format 2 still
-/// load, ids text archives cannot hold are refused, files that are not regular are refused
+/// @brief Checkpoints lose nothing: checksums catch changed bits, files of formats 2 and 3
+/// still load, ids text archives cannot hold are refused, files that are not regular are refused
 /// without blocking, long names save, length fields cannot make a load allocate, and XML
 /// numbers parse strictly.
 
@@ -17,6 +17,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include <sys/stat.h>
@@ -36,7 +37,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-/// The window the fixtures of format 2 (tests/fixtures/window_v2.*) were written from.
+/// The window the fixtures of formats 2 and 3 (tests/fixtures/window_v2.*, window_v3.*) were
+/// written from.
 weighted_gradients_record fixture_window() {
   weighted_gradients_record r;
   r.state = {float_dtype::f32, 1024.0, 320.5, 3};
@@ -75,20 +77,24 @@ errc code_of_parse(const std::string& bytes, checkpoint_format format) {
 
 }  // namespace
 
-TEST_CASE("checkpoints of format 2, which carry no checksum, still load") {
-  for (const checkpoint_format format : all_formats) {
-    CAPTURE(format);
-    const fs::path path = fs::path(GRADACCUM_TEST_FIXTURES) / ("window_v2" + extension_of(format));
-    CHECK(load_checkpoint<weighted_gradients_record>(path) == fixture_window());
-    const auto params = [] {
-      parameter_set<eigen_backend> p;
-      p.add("encoder.weight", tensor_shape{2, 3}, {});
-      p.add("decoder.bias", tensor_shape{1, 3}, {});
-      return p;
-    }();
-    weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f64, 1.0);
-    load_checkpoint(path, params, acc);
-    CHECK(acc.try_to_record() == fixture_window());
+TEST_CASE("checkpoints of formats 2 (no checksum) and 3 (a tensor's values after its entry) still load") {
+  for (const auto& [stem, version] : {std::pair{"window_v2", 2U}, std::pair{"window_v3", 3U}}) {
+    for (const checkpoint_format format : all_formats) {
+      CAPTURE(stem);
+      CAPTURE(format);
+      const fs::path path = fs::path(GRADACCUM_TEST_FIXTURES) / (stem + extension_of(format));
+      CHECK(checkpoint_version(path) == version);
+      CHECK(load_checkpoint<weighted_gradients_record>(path) == fixture_window());
+      const auto params = [] {
+        parameter_set<eigen_backend> p;
+        p.add("encoder.weight", tensor_shape{2, 3}, {});
+        p.add("decoder.bias", tensor_shape{1, 3}, {});
+        return p;
+      }();
+      weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f64, 1.0);
+      load_checkpoint(path, params, acc);
+      CHECK(acc.try_to_record() == fixture_window());
+    }
   }
 }
 
@@ -169,10 +175,18 @@ TEST_CASE("ids longer than max_id_length are refused on save and on load, before
   record.tensors[0].id = "a";
   std::string bytes = serialize_checkpoint(record, checkpoint_format::binary);
   // The id length (4 bytes) follows the gradients version, the tensor count and the directory's
-  // size: declare 4 GiB, in a sparse file of 64 GiB.
+  // size: declare 4 GiB, in a sparse file of 64 GiB, under a directory checksum that matches.
   const std::uint64_t huge = std::uint64_t{64} << 30;
   const std::uint32_t id_length = 0xFFFFFFFFU;
-  std::memcpy(bytes.data() + 4 + 8 + 8, &id_length, sizeof id_length);
+  constexpr std::size_t directory_at = 4 + 8 + 8;
+  std::memcpy(bytes.data() + directory_at, &id_length, sizeof id_length);
+  std::uint64_t directory_size = 0;
+  std::uint64_t block_size = 0;
+  std::memcpy(&directory_size, bytes.data() + directory_at - 8, sizeof directory_size);
+  std::memcpy(&block_size, bytes.data() + directory_at + directory_size, sizeof block_size);
+  const std::uint64_t checksum =
+      detail::directory_checksum(1, std::string_view(bytes).substr(directory_at, directory_size), block_size);
+  std::memcpy(bytes.data() + directory_at + directory_size + 8, &checksum, sizeof checksum);
   const scratch_dir dir;
   const fs::path path = dir.path / "sparse.bin";
   {
@@ -275,8 +289,9 @@ TEST_CASE("a binary checkpoint holds a window's values as one block, straight fr
     REQUIRE(flat.size() == 40 * 16);
     const std::string_view block(reinterpret_cast<const char*>(flat.data()), flat.size_bytes());
     if constexpr (std::endian::native == std::endian::little) CHECK(bytes.find(block) != std::string::npos);
-    // The directory: per tensor 4 + 8 id bytes + dtype + rank + 2 dimensions of 8 bytes.
-    const std::size_t directory = 40 * (4 + 8 + 1 + 1 + 16);
+    // The directory: per tensor 4 + 8 id bytes + dtype + rank + 2 dimensions and an offset of
+    // 8 bytes.
+    const std::size_t directory = 40 * (4 + 8 + 1 + 1 + 16 + 8);
     CHECK(bytes.find(std::string_view("\x08\x00\x00\x00layer100\x02\x02", 14)) != std::string::npos);
     weighted_gradients_accumulator<eigen_backend> restored(float_dtype::f64, 4.0);
     load_checkpoint(path, params, restored, format);
@@ -347,5 +362,71 @@ TEST_CASE("large values are hashed while they load: a changed bit anywhere is re
       CHECK(e.code() == errc::invalid_record);
     }
     CHECK(restored.try_to_record() == before);
+  }
+}
+
+TEST_CASE(
+    "a window's values block: a changed bit or a cut anywhere in it or its directory is refused, nothing changes") {
+  // Segments padded to 16 elements and an absent parameter: the block the window writes holds
+  // zeros between its tensors. Loaded into the same layout it is read whole; into a parameter
+  // set in another order, tensor by tensor.
+  const auto parameters = [](bool reversed) {
+    std::vector<std::pair<std::string, tensor_shape>> list{
+        {"c", tensor_shape{12}}, {"a", tensor_shape{2, 7}}, {"d", tensor_shape{2}}, {"b", tensor_shape{4, 4}}};
+    if (reversed) std::reverse(list.begin(), list.end());
+    parameter_set<eigen_backend> params;
+    for (const auto& [id, shape] : list) params.add(id, shape, {});
+    return params;
+  };
+  const parameter_set<eigen_backend> params = parameters(false);
+  gradients_params<eigen_backend> grads;
+  grads.insert("c", Eigen::VectorXf::LinSpaced(12, -3.0F, 8.0F).eval());
+  grads.insert("a", Eigen::MatrixXf::Constant(2, 7, 0.75F));
+  grads.insert("b", Eigen::MatrixXf::Identity(4, 4));
+  weighted_gradients_accumulator<eigen_backend> window(float_dtype::f32, 8.0);
+  window.accumulate_sum(params, grads, 3);
+  const weighted_gradients_record saved = window.try_to_record();
+  const scratch_dir dir;
+  const fs::path path = dir.path / "window.ckpt";
+  for (const checkpoint_format format : {checkpoint_format::binary, checkpoint_format::portable_binary}) {
+    CAPTURE(format);
+    save_checkpoint(path, window, format);
+    const std::string bytes = read_text(path);
+    for (const bool reversed : {false, true}) {
+      CAPTURE(reversed);
+      const parameter_set<eigen_backend> target_params = parameters(reversed);
+      weighted_gradients_accumulator<eigen_backend> target(float_dtype::f32, 2.0);
+      gradients_params<eigen_backend> other;
+      other.insert("d", Eigen::VectorXf::Constant(2, -1.5F).eval());
+      target.accumulate_sum(target_params, other, 1);
+      const weighted_gradients_record before = target.try_to_record();
+      const auto refused = [&](const std::string& changed) {
+        std::ofstream(path, std::ios::binary | std::ios::trunc) << changed;
+        try {
+          load_checkpoint(path, target_params, target, format);
+          return false;
+        } catch (const error& e) {
+          return e.code() == errc::invalid_record || e.code() == errc::invalid_state;
+        }
+      };
+      std::size_t loaded = 0;
+      for (std::size_t byte = 0; byte < bytes.size(); ++byte) {
+        for (int bit = 0; bit < 8; ++bit) {
+          std::string flipped = bytes;
+          flipped[byte] = static_cast<char>(flipped[byte] ^ (1 << bit));
+          if (!refused(flipped)) ++loaded;
+        }
+      }
+      for (std::size_t length = 0; length < bytes.size(); ++length) {
+        if (!refused(bytes.substr(0, length))) ++loaded;
+      }
+      CHECK(loaded == 0);
+      CHECK(target.try_to_record() == before);
+      std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+      load_checkpoint(path, target_params, target, format);
+      CHECK(target.try_to_record() == saved);
+      const std::span<const float> flat = target.pending().flat<float>();
+      CHECK(std::count_if(flat.begin(), flat.end(), [](float x) { return x != 0.0F; }) == 12 + 14 + 4 - 1);
+    }
   }
 }

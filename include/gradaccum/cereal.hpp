@@ -21,21 +21,25 @@
 ///   not depend on the archive: for a state its dtype name, the bits of `loss_scale` and
 ///   `total_weight` and `microbatches`; for gradients each tensor's id, dtype name, rank,
 ///   dimensions, value count and values (16-bit values as their bit patterns), integers and
-///   values little-endian and text as its length and bytes. Loading recomputes it and refuses
-///   a mismatch with `errc::invalid_record`, so a changed bit that still parses (a value, an
-///   id, a weight) is caught. Version 2 records (no checksum) still load.
+///   values little-endian and text as its length and bytes. Binary archives hash a gradients
+///   record as two blocks instead (see below). Loading recomputes it and refuses a mismatch
+///   with `errc::invalid_record`, so a changed bit that still parses (a value, an id, a weight)
+///   is caught. Records of versions 2 (no checksum) and 3 still load.
 /// - Ids are at most `max_id_length` bytes. Text archives cannot hold an id with a NUL byte
 ///   (cereal's JSON and XML archives cut strings there): saving one to them throws.
 /// - Dtypes are written as their text names ("F32"); 16-bit values as their bit patterns.
 /// - Binary archives write a gradients record as its tensor count, one directory block (per
-///   tensor its id, dtype code and shape; see "The directory of a binary gradients record"
-///   below) and every tensor's values in record order, back to back, in raw blocks
-///   (`cereal::binary_data`); version 2 wrote each tensor as a `tensor_record`. Strings and
-///   lists elsewhere are a size followed by one raw block, never element by element.
-/// - Text archives write shapes as arrays of numbers and values as one string of numbers
-///   separated by spaces, each the shortest text that reads back to the same value
-///   (`std::to_chars`, about 10 bytes per F32): exact for every finite value, ±inf and NaN; a
-///   NaN keeps its sign, and its payload survives binary archives only.
+///   tensor its id, dtype code, shape and where its values are), the directory's checksum and
+///   then every value as one block (see "The values block of a binary gradients record"
+///   below), whose checksum is the record's `checksum`: an accumulator's buffer is written as
+///   it is and read back with one read. Version 3 wrote the values after the directory in
+///   record order, version 2 each tensor as a `tensor_record`. Strings and lists elsewhere are
+///   a size followed by one raw block, never element by element.
+/// - Text archives write records of version 4 as of version 3 (one node per tensor, which a
+///   text reader parses anyway). They write shapes as arrays of numbers and values as one
+///   string of numbers separated by spaces, each the shortest text that reads back to the same
+///   value (`std::to_chars`, about 10 bytes per F32): exact for every finite value, ±inf and
+///   NaN; a NaN keeps its sign, and its payload survives binary archives only.
 ///
 /// Loading treats the bytes as untrusted. Every problem found by these functions throws
 /// `gradaccum::error` naming it: `errc::invalid_state` for the accumulation state's fields and
@@ -67,6 +71,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <istream>
 #include <limits>
 #include <new>
@@ -100,11 +105,13 @@ class XMLInputArchive;  // only compared against: its integer parsing needs a st
 namespace gradaccum {
 
 /// @brief Version of the record format: the cereal class version of every record type. Loading
-/// reads this version and version 2 (which has no checksums). Version 3 adds `checksum` to
-/// states and gradients records and writes binary gradients records as one directory and their
-/// values back to back; version 2 writes text archives' values as one string of
-/// shortest round-trip numbers (version 1, not read, wrote arrays of doubles).
-inline constexpr std::uint32_t record_format_version = 3;
+/// reads this version and versions 2 and 3. Version 4 writes binary gradients records as a
+/// directory and one block of values, each with its checksum (text archives are as in 3);
+/// version 3 adds `checksum` to states and gradients records and writes binary gradients
+/// records as one directory and their values back to back; version 2 writes text archives'
+/// values as one string of shortest round-trip numbers (version 1, not read, wrote arrays of
+/// doubles).
+inline constexpr std::uint32_t record_format_version = 4;
 
 /// @brief Oldest record format version that loads.
 inline constexpr std::uint32_t oldest_record_format_version = 2;
@@ -623,18 +630,37 @@ inline constexpr std::size_t saved_block_bytes = std::size_t{1} << 18;
 /// against some 50 us to start a thread.
 inline constexpr std::size_t background_hash_bytes = std::size_t{8} << 20;
 
-// ---- The directory of a binary gradients record ------------------------------------------------
+// ---- The values block of a binary gradients record ---------------------------------------------
 //
-// From format 3, binary archives write a gradients record as its tensor count, one directory
-// block and the values of every tensor in record order, back to back, as raw blocks (adjacent
-// tensors in one block): a window saves and loads as a few large copies, not a few small ones
-// per tensor. Per tensor the directory holds, little-endian: id length (4 bytes), id, dtype
-// (1 byte: 0 F16, 1 BF16, 2 F32, 3 F64), rank (1 byte), dimensions (8 bytes each).
+// From format 4, binary archives write a gradients record as: its tensor count; the size and
+// bytes of its directory; the size in bytes of its values block; the directory checksum; the
+// values block; and, as the record's `checksum`, the block's. Per tensor the directory holds,
+// little-endian: id length (4 bytes), id, dtype (1 byte: 0 F16, 1 BF16, 2 F32, 3 F64), rank
+// (1 byte), dimensions (8 bytes each) and the offset in bytes of its values in the block (8
+// bytes, a multiple of its element size). Tensors' values do not overlap, and every byte of
+// the block outside them is zero. The directory checksum is the XXH3-64 of the count, the
+// directory and the block's size (integers as 8 bytes little-endian), the block's that of its
+// bytes with values little-endian. A writer lays the block out as it likes: an accumulator
+// writes its buffer as it is, so a load into the same layout is one read straight into the
+// buffer, and a record its tensors in record order. The directory is checked whole before
+// anything is placed by it. Format 3 had no offsets and the values back to back in record
+// order, hashed with each tensor's header (`hash_tensor_header`).
 
-/// Fewest and most bytes a tensor takes in a directory: an empty id and rank 0; the longest id
-/// and rank `max_rank`.
+/// Fewest and most bytes a tensor takes in a directory of format 3: an empty id and rank 0; the
+/// longest id and rank `max_rank`. Format 4 adds the offset.
 inline constexpr std::uint64_t min_directory_entry_bytes = 4 + 1 + 1;
 inline constexpr std::uint64_t max_directory_entry_bytes = 4 + max_id_length + 1 + 1 + 8 * max_rank;
+inline constexpr std::uint64_t block_offset_bytes = 8;
+
+/// The checksum that guards a directory of format 4 and what it is read with.
+inline std::uint64_t directory_checksum(std::uint64_t count, std::string_view directory,
+                                        std::uint64_t block_bytes) noexcept {
+  content_hash hash;
+  hash.add(count);
+  hash.add_bytes(directory.data(), directory.size());
+  hash.add(block_bytes);
+  return hash.digest();
+}
 
 constexpr std::uint8_t dtype_code(float_dtype dtype) noexcept {
   switch (dtype) {
@@ -652,20 +678,25 @@ constexpr std::optional<float_dtype> dtype_of_code(std::uint8_t code) noexcept {
   return dtypes[code];
 }
 
-/// The directory of `tensors` (records or views; their ids already checked).
+/// The directory of `tensors` (records or views; their ids already checked), whose values are
+/// at `offsets` in the values block.
 template <class Tensors>
-std::string binary_directory(const Tensors& tensors) {
+std::string binary_directory(const Tensors& tensors, std::span<const std::uint64_t> offsets) {
   std::size_t bytes = 0;
-  for (const auto& tensor : tensors) bytes += min_directory_entry_bytes + tensor.id.size() + 8 * tensor.shape.size();
+  for (const auto& tensor : tensors) {
+    bytes += min_directory_entry_bytes + block_offset_bytes + tensor.id.size() + 8 * tensor.shape.size();
+  }
   std::string directory(bytes, '\0');
   auto* const start = reinterpret_cast<unsigned char*>(directory.data());
   little_endian_writer out(start);
+  std::size_t i = 0;
   for (const auto& tensor : tensors) {
     out.u32(static_cast<std::uint32_t>(tensor.id.size()));
     out.bytes(tensor.id);
     out.u8(dtype_code(tensor.dtype));
     out.u8(static_cast<std::uint8_t>(tensor.shape.size()));
     for (const std::uint64_t dim : tensor.shape) out.u64(dim);
+    out.u64(offsets[i++]);
   }
   return directory;
 }
@@ -694,11 +725,17 @@ class directory_reader {
   template <class U>
   U little_endian() {
     const std::string_view bytes = take(sizeof(U));
-    std::uint64_t value = 0;
-    for (std::size_t i = 0; i < sizeof(U); ++i) {
-      value |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+    if constexpr (std::endian::native == std::endian::little) {
+      U value = 0;
+      std::memcpy(&value, bytes.data(), sizeof(U));
+      return value;
+    } else {
+      std::uint64_t value = 0;
+      for (std::size_t i = 0; i < sizeof(U); ++i) {
+        value |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+      }
+      return static_cast<U>(value);
     }
-    return static_cast<U>(value);
   }
 
  private:
@@ -771,8 +808,24 @@ void check_saved_id(std::string_view id) {
 }
 
 /// Writes values as one raw block (in pieces, each hashed first when a checksum is being taken).
+/// From `background_hash_bytes` on, a worker thread hashes them while they are written in one
+/// piece.
 template <class Archive, class T>
 void save_raw_values(Archive& ar, std::span<const T> values, content_hash* hash) {
+  if (hash != nullptr && values.size_bytes() >= background_hash_bytes && std::endian::native == std::endian::little) {
+    std::optional<background_hash> behind;
+    try {
+      behind.emplace(*hash, values.data(), values.size_bytes());
+    } catch (const std::system_error&) {  // no thread to spare: hash inline
+    } catch (const std::bad_alloc&) {     // nor memory for one
+    }
+    if (behind) {
+      behind->filled(values.size_bytes());
+      ar(cereal::binary_data(values.data(), values.size_bytes()));
+      behind->finish();
+      return;
+    }
+  }
   constexpr std::size_t block = saved_block_bytes / sizeof(T);
   for (std::size_t done = 0; done < values.size(); done += block) {
     const std::span<const T> piece = values.subspan(done, std::min(block, values.size() - done));
@@ -806,54 +859,90 @@ inline const tensor_view& view_of(const tensor_view& tensor) noexcept {
   return tensor;
 }
 
-template <class Archive, class Tensors>
-void save_binary_tensors(Archive& ar, const Tensors& tensors) {
-  for (const auto& tensor : tensors) check_saved_id<Archive>(tensor.id);
-  const std::string directory = binary_directory(tensors);
-  ar(cereal::make_size_tag(static_cast<cereal::size_type>(directory.size())));
-  if (!directory.empty()) ar(cereal::binary_data(directory.data(), directory.size()));
-  content_hash* const hash = active_hash;
-  values_writer<Archive> values_out(ar);
+/// Where each of `tensors` (records or views) goes in the values block, in bytes, and the
+/// block's size: where they are in `block` when they are its segments, else one after the
+/// other in record order, each aligned to its element size.
+template <class Tensors>
+std::uint64_t block_layout(const Tensors& tensors, const values_view& block, std::vector<std::uint64_t>& offsets) {
+  const auto* const base =
+      std::visit([](auto values) { return reinterpret_cast<const unsigned char*>(values.data()); }, block);
+  const std::uint64_t block_bytes = std::visit([](auto values) { return values.size_bytes(); }, block);
+  offsets.reserve(tensors.size());
+  std::uint64_t end = 0;
   for (const auto& record_or_view : tensors) {
-    const tensor_view& tensor = view_of(record_or_view);
     std::visit(
         [&](const auto values) {
           using S = typename decltype(values)::element_type;
-          if (hash != nullptr) hash_tensor_header(*hash, tensor.id, tensor.dtype, tensor.shape, values.size());
-          constexpr std::size_t block = saved_block_bytes / sizeof(S);
-          for (std::size_t done = 0; done < values.size(); done += block) {
-            const std::span<const S> piece = values.subspan(done, std::min(block, values.size() - done));
-            if (hash != nullptr) hash->add_values(piece);
-            values_out.add(piece);
+          if (block_bytes != 0) {
+            offsets.push_back(static_cast<std::uint64_t>(reinterpret_cast<const unsigned char*>(values.data()) - base));
+          } else {
+            end = (end + sizeof(S) - 1) / sizeof(S) * sizeof(S);
+            offsets.push_back(end);
+            end += values.size_bytes();
           }
         },
-        tensor.values);
+        view_of(record_or_view).values);
+  }
+  return block_bytes != 0 ? block_bytes : end;
+}
+
+/// The count, directory, block size, directory checksum and values block of a binary
+/// gradients record (see above); `hash` takes the block.
+template <class Archive, class Tensors>
+void save_binary_tensors(Archive& ar, const Tensors& tensors, const values_view& block, content_hash& hash) {
+  for (const auto& tensor : tensors) check_saved_id<Archive>(tensor.id);
+  std::vector<std::uint64_t> offsets;
+  const std::uint64_t block_bytes = block_layout(tensors, block, offsets);
+  const std::string directory = binary_directory(tensors, offsets);
+  ar(cereal::make_size_tag(static_cast<cereal::size_type>(tensors.size())));
+  ar(cereal::make_size_tag(static_cast<cereal::size_type>(directory.size())));
+  if (!directory.empty()) ar(cereal::binary_data(directory.data(), directory.size()));
+  ar(block_bytes, directory_checksum(tensors.size(), directory, block_bytes));
+  if (std::visit([](auto values) { return !values.empty(); }, block)) {
+    std::visit([&](auto values) { save_raw_values(ar, values, &hash); }, block);
+    return;
+  }
+  values_writer<Archive> values_out(ar);
+  std::uint64_t end = 0;
+  std::size_t i = 0;
+  for (const auto& record_or_view : tensors) {
+    std::visit(
+        [&](const auto values) {
+          using S = typename decltype(values)::element_type;
+          if (offsets[i] != end) {  // alignment to the element size: fewer than 8 zero bytes
+            constexpr std::array<unsigned char, 8> zeros{};
+            values_out.flush();
+            hash.add_bytes(zeros.data(), offsets[i] - end);
+            ar(cereal::binary_data(zeros.data(), offsets[i] - end));
+          }
+          constexpr std::size_t piece_size = saved_block_bytes / sizeof(S);
+          for (std::size_t done = 0; done < values.size(); done += piece_size) {
+            const std::span<const S> piece = values.subspan(done, std::min(piece_size, values.size() - done));
+            hash.add_values(piece);
+            values_out.add(piece);
+          }
+          end = offsets[i++] + values.size_bytes();
+        },
+        view_of(record_or_view).values);
   }
   values_out.flush();
 }
 
-/// `tensors` (records or views) as the list of a gradients record: in a text archive each tensor
-/// through cereal, in a binary archive the count, the directory and the values (see above).
+/// `tensors` (records or views) as the list of a gradients record, then the checksum of what
+/// they hold: in a text archive each tensor through cereal, in a binary archive the directory
+/// and values block (see above), `block` the buffer views lie in, if any.
 template <class Archive, class Tensors>
-void save_tensors(Archive& ar, const Tensors& tensors) {
+void save_checksummed_tensors(Archive& ar, const Tensors& tensors, const values_view& block = {}) {
+  content_hash hash;
   ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
-                        node(cereal::make_size_tag(static_cast<cereal::size_type>(tensors.size())));
                         if constexpr (is_text_archive<Archive>) {
+                          const hash_scope scope(&hash);
+                          node(cereal::make_size_tag(static_cast<cereal::size_type>(tensors.size())));
                           for (const auto& tensor : tensors) node(tensor);
                         } else {
-                          save_binary_tensors(node, tensors);
+                          save_binary_tensors(node, tensors, block, hash);
                         }
                       }}));
-}
-
-/// `save_tensors`, then the checksum of what they hold.
-template <class Archive, class Tensors>
-void save_checksummed_tensors(Archive& ar, const Tensors& tensors) {
-  content_hash hash;
-  {
-    const hash_scope scope(&hash);
-    save_tensors(ar, tensors);
-  }
   ar(cereal::make_nvp("checksum", hash.digest()));
 }
 
@@ -864,7 +953,7 @@ void save(Archive& ar, const tensor_view& tensor, const std::uint32_t /*version*
 
 template <class Archive>
 void save(Archive& ar, const gradients_view& gradients, const std::uint32_t /*version*/) {
-  save_checksummed_tensors(ar, gradients.tensors);
+  save_checksummed_tensors(ar, gradients.tensors, gradients.block);
 }
 
 template <class Archive>
@@ -881,7 +970,11 @@ void save(Archive& ar, const weighted_gradients_view& record, const std::uint32_
 //   reserve(std::size_t)                         a count of tensors the input can hold;
 //   add(std::string&& id, float_dtype, const tensor_shape&, const values_reader<A>&)
 //                                                one tensor, whose values it reads with the
-//                                                reader; it may move from `id` once they are in.
+//                                                reader; it may move from `id` once they are in;
+// and, for binary records of format 4, in place of `add`:
+//   place(std::string_view id, float_dtype, const tensor_shape&)
+//                                                one tensor of the directory, in its order;
+//   values(const values_block<A>&)               all their values, once the directory is read.
 
 /// @brief The values of one tensor, not read yet: `count` of them, the shape's element count.
 template <class Archive>
@@ -1042,6 +1135,151 @@ void load_binary_tensors(Archive& ar, Sink& sink, std::uint64_t count, const loa
   if (!entries.at_end()) site.fail("has a directory with bytes after its last tensor: it is corrupt.");
 }
 
+/// Whether `size` bytes from `bytes` are all zero.
+inline bool all_zero(const unsigned char* bytes, std::size_t size) noexcept {
+  return size == 0 || (bytes[0] == 0 && std::memcmp(bytes, bytes + 1, size - 1) == 0);
+}
+
+/// @brief Where a tensor's values are in a values block: at `offset` bytes, `count` elements.
+struct block_entry {
+  std::uint64_t offset;
+  std::uint64_t count;
+  float_dtype dtype;
+};
+
+/// @brief The values block of a binary gradients record of format 4, not read yet; its entries
+/// (in directory order) lie inside it. The block is read once, either whole or entry by entry.
+template <class Archive>
+class values_block {
+ public:
+  values_block(Archive& ar, std::uint64_t bytes, std::span<const block_entry> entries, const load_site& site,
+               content_hash& hash) noexcept
+      : ar_(ar), bytes_(bytes), entries_(entries), site_(site), hash_(hash) {}
+
+  [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] std::span<const block_entry> entries() const noexcept { return entries_; }
+
+  /// Reads the whole block into `out`, exactly `bytes()` of S. The caller checks that what lies
+  /// outside the entries is zero.
+  template <raw_element S>
+  void into(std::span<S> out) const {
+    values_reader<Archive>(ar_, out.size(), site_, {}, &hash_).into(out);
+  }
+
+  /// Reads the block front to back: `read(i, reader)` reads the values of entry `i` with a
+  /// `values_reader`; bytes outside every entry must be zero.
+  template <class F>
+  void each(F&& read) const {
+    // Zero-element entries first where an offset is shared, so they never overlap a neighbour.
+    const auto before = [&](std::size_t a, std::size_t b) {
+      const block_entry& x = entries_[a];
+      const block_entry& y = entries_[b];
+      return x.offset != y.offset ? x.offset < y.offset : x.count < y.count;
+    };
+    std::vector<std::size_t> order(entries_.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    if (!std::is_sorted(order.begin(), order.end(), before)) std::sort(order.begin(), order.end(), before);
+    std::uint64_t at = 0;
+    for (const std::size_t i : order) {
+      const block_entry& entry = entries_[i];
+      if (entry.offset < at) site_.fail("has tensors whose values overlap in its values block: it is corrupt.");
+      zeros(entry.offset - at);
+      read(i, values_reader<Archive>(ar_, entry.count, site_, {}, &hash_));
+      at = entry.offset + entry.count * size_of(entry.dtype);
+    }
+    zeros(bytes_ - at);
+  }
+
+  /// Fails unless `size` bytes read from the block at `bytes` are zero.
+  void check_zero(const unsigned char* bytes, std::size_t size) const {
+    if (!all_zero(bytes, size)) site_.fail("has bytes outside its tensors' values that are not zero: it is corrupt.");
+  }
+
+ private:
+  void zeros(std::uint64_t count) const {
+    std::array<unsigned char, 4096> piece{};
+    while (count != 0) {
+      const auto size = static_cast<std::size_t>(std::min<std::uint64_t>(count, piece.size()));
+      read_field<Archive>(site_, "values", "", [&] { ar_(cereal::binary_data(piece.data(), size)); });
+      hash_.add_bytes(piece.data(), size);
+      check_zero(piece.data(), size);
+      count -= size;
+    }
+  }
+
+  Archive& ar_;
+  std::uint64_t bytes_;
+  std::span<const block_entry> entries_;
+  const load_site& site_;
+  content_hash& hash_;
+};
+
+/// Reads the directory of a binary gradients record of format 4 (see "The values block"
+/// above), has `sink` place each tensor, then hands it the values block. Every length is
+/// checked against what can hold it, and the directory against its checksum, before it is
+/// used; `hash` takes the block.
+template <class Archive, class Sink>
+void load_block_tensors(Archive& ar, Sink& sink, std::uint64_t count, const load_site& site, content_hash& hash) {
+  constexpr std::uint64_t min_entry = min_directory_entry_bytes + block_offset_bytes;
+  constexpr std::uint64_t max_entry = max_directory_entry_bytes + block_offset_bytes;
+  cereal::size_type directory_bytes = 0;
+  ar(cereal::make_size_tag(directory_bytes));
+  // Bounded by what `count` entries can take, before the bytes left are even asked (a sparse
+  // file "holds" whatever it claims).
+  if (directory_bytes != 0 && (directory_bytes - 1) / max_entry >= count) {
+    site.fail("has a directory of " + std::to_string(directory_bytes) + " bytes, more than the entries of its " +
+              std::to_string(count) + " tensors take.");
+  }
+  std::string directory;
+  load_raw(ar, directory, directory_bytes, site, "directory");
+  if (count > directory.size() / min_entry) {
+    site.fail("declares " + std::to_string(count) + " tensors, more than its directory of " +
+              std::to_string(directory.size()) + " bytes holds.");
+  }
+  const std::uint64_t block_bytes =
+      load_unsigned(ar, site, "values block size", std::numeric_limits<std::uint64_t>::max());
+  check_block_fits<char>(ar, block_bytes, site, "values");
+  const std::uint64_t stored = load_unsigned(ar, site, "directory checksum", std::numeric_limits<std::uint64_t>::max());
+  if (stored != directory_checksum(count, directory, block_bytes)) {
+    site.fail("has a directory with checksum " + std::to_string(stored) + " but its content hashes to " +
+              std::to_string(directory_checksum(count, directory, block_bytes)) + ": the checkpoint is corrupt.");
+  }
+  sink.reserve(static_cast<std::size_t>(count));
+  std::vector<block_entry> entries;
+  entries.reserve(static_cast<std::size_t>(count));
+  directory_reader reader(directory, site);
+  std::string id;  // for messages
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::string_view entry_id = reader.id();
+    const float_dtype dtype = reader.dtype();
+    const auto rank = reader.little_endian<std::uint8_t>();
+    const auto tensor_site = [&] {
+      id.assign(entry_id);
+      return load_site{errc::invalid_record, "record tensor", &id};
+    };
+    if (rank > max_rank) {
+      tensor_site().fail("has rank " + std::to_string(rank) + ", more than the supported " + std::to_string(max_rank) +
+                         ".");
+    }
+    std::array<std::uint64_t, max_rank> dims{};
+    for (std::size_t axis = 0; axis < rank; ++axis) dims[axis] = reader.little_endian<std::uint64_t>();
+    const tensor_shape shape(std::span<const std::uint64_t>(dims.data(), rank));
+    const std::optional<std::size_t> elements = shape.checked_element_count();
+    if (!elements) tensor_site().fail("has shape " + shape.to_string() + ", whose element count overflows.");
+    const auto offset = reader.little_endian<std::uint64_t>();
+    const std::size_t size = size_of(dtype);
+    if (offset % size != 0 || offset > block_bytes || *elements > (block_bytes - offset) / size) {
+      tensor_site().fail("declares " + std::to_string(*elements) + " elements of " + std::to_string(size) +
+                         " bytes at offset " + std::to_string(offset) + ", which do not fit aligned in the " +
+                         std::to_string(block_bytes) + " bytes of its values block.");
+    }
+    sink.place(entry_id, dtype, shape);
+    entries.push_back({offset, *elements, dtype});
+  }
+  if (!reader.at_end()) site.fail("has a directory with bytes after its last tensor: it is corrupt.");
+  sink.values(values_block<Archive>(ar, block_bytes, entries, site, hash));
+}
+
 /// @brief A sink that fills a record.
 struct record_sink {
   weighted_gradients_record record;
@@ -1054,6 +1292,18 @@ struct record_sink {
     visit_stored_type(dtype, [&]<class S>() { values.into(tensor.values.template emplace<std::vector<S>>()); });
     tensor.id = std::move(id);
     record.gradients.tensors.push_back(std::move(tensor));
+  }
+  void place(std::string_view id, float_dtype dtype, const tensor_shape& shape) {
+    record.gradients.tensors.push_back(
+        {std::string(id), dtype, std::vector<std::uint64_t>(shape.begin(), shape.end()), std::vector<float>()});
+  }
+  template <class Archive>
+  void values(const values_block<Archive>& block) {
+    block.each([&](std::size_t i, const values_reader<Archive>& values) {
+      tensor_record& tensor = record.gradients.tensors[i];
+      visit_stored_type(tensor.dtype,
+                        [&]<class S>() { values.into(tensor.values.template emplace<std::vector<S>>()); });
+    });
   }
 };
 
@@ -1104,7 +1354,11 @@ void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) 
                           cereal::size_type count = 0;
                           node(cereal::make_size_tag(count));
                           if constexpr (!is_text_archive<Archive>) {
-                            if (version >= 3) {
+                            if (version >= 4) {
+                              load_block_tensors(node, *into.sink, count, site, hash);
+                              return;
+                            }
+                            if (version == 3) {
                               load_binary_tensors(node, *into.sink, count, site);
                               return;
                             }
@@ -1117,7 +1371,7 @@ void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) 
                             const std::uint64_t room = *remaining / min_binary_tensor_bytes;
                             into.sink->reserve(static_cast<std::size_t>(std::min<std::uint64_t>(count, room)));
                           }
-                          // The first tensor through cereal, which reads the version (see `save_tensors`).
+                          // The first tensor through cereal, which reads the version (as version 2 wrote it).
                           for (cereal::size_type i = 0; i < count; ++i) {
                             if (is_text_archive<Archive> || i == 0) {
                               load_listed_tensor(node, *into.sink);

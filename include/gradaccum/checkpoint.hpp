@@ -17,7 +17,7 @@
 /// - `load_checkpoint<Record>(path[, format])` and `load_checkpoint(path, params, accumulator
 ///   [, format])` read untrusted bytes: every problem with the content throws `gradaccum::error`
 ///   (`errc::invalid_record` or `errc::invalid_state`) naming the problem and the path; nothing
-///   larger than the file is ever allocated; checksums (record format 3) refuse any changed
+///   larger than the file is ever allocated; checksums (record formats 3 and 4) refuse any changed
 ///   content; JSON and XML documents nesting deeper than `max_document_depth` are rejected; an
 ///   accumulator is changed only when everything loaded and validated. Files that are not
 ///   regular (FIFO, device, socket) are refused without blocking.

@@ -317,12 +317,35 @@ class flat_gradients {
   }
 
   /// @brief `f(view)` with the present parameters as a `detail::gradients_view` (sorted by id)
-  /// borrowing this buffer's values; returns what `f` returns.
+  /// borrowing this buffer's values; returns what `f` returns. The view's block is the buffer
+  /// from the first present segment to the end of the last unless it holds more zeros than
+  /// values and more than 4 KiB of them, so a sparse window is not written with the zeros of its
+  /// absent segments.
   template <class F>
   decltype(auto) visit_record(F&& f) const {
     std::vector<std::array<std::uint64_t, max_rank>> shapes(size());
     std::vector<detail::tensor_view> views;
     views.reserve(size());
+    detail::values_view block;
+    if (layout_ && storage_ && storage_->present_count != 0) {
+      std::size_t first = layout_->size();
+      std::size_t last = 0;
+      std::size_t present_elements = 0;
+      for (std::size_t position = 0; position < layout_->size(); ++position) {
+        if (!is_present(position)) continue;
+        first = std::min(first, position);
+        last = position;
+        present_elements += (*layout_)[position].size;
+      }
+      const std::size_t begin = (*layout_)[first].offset;
+      const std::size_t end = (*layout_)[last].offset + (*layout_)[last].size;
+      const std::size_t zeros = end - begin - present_elements;
+      if (zeros <= present_elements || zeros * storage_->element_size() <= 4096) {
+        block = storage_->dtype == float_dtype::f64
+                    ? detail::values_view(std::span<const double>(storage_->data<double>() + begin, end - begin))
+                    : detail::values_view(std::span<const float>(storage_->data<float>() + begin, end - begin));
+      }
+    }
     if (layout_) {
       for (const std::size_t position : layout_->by_id()) {
         if (!is_present(position)) continue;
@@ -334,7 +357,7 @@ class flat_gradients {
         views.push_back({s.id, storage_->dtype, std::span(shape.data(), s.shape.rank()), values});
       }
     }
-    return std::forward<F>(f)(detail::gradients_view{views});
+    return std::forward<F>(f)(detail::gradients_view{views, block});
   }
 
   /// @brief A record of the present parameters, sorted by id.

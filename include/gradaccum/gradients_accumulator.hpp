@@ -181,36 +181,8 @@ class gradients_accumulator {
     /// error(errc::invalid_record) for an id given twice.
     template <class Values>
     void add(std::string&& id, float_dtype dtype, const tensor_shape& shape, const Values& values) {
-      if (expected_ && dtype != *expected_) {
-        detail::fail(errc::invalid_state,
-                     "pending tensor '" + id + "' has dtype " + std::string(to_string(dtype)) +
-                         " but the accumulation state's work dtype is " + std::string(to_string(*expected_)) + ".",
-                     id);
-      }
-      require_pending_dtype(id, dtype);
-      if (!layout_) layout_ = target_->layout_for(*params_);
-      const auto position = position_of(id);
-      if (!position) {
-        detail::fail(errc::unknown_parameters, "record tensor '" + id + "' names no parameter of the parameter set.",
-                     id);
-      }
-      if (!detail::same_shape<B>(shape, (*params_)[*position].shape)) {
-        detail::fail(errc::parameter_mismatch,
-                     "record tensor '" + id + "' has shape " + shape.to_string() + " but its parameter has shape " +
-                         (*params_)[*position].shape.to_string() + ".",
-                     id);
-      }
-      if (storage_ && dtype != storage_->dtype) {
-        detail::fail(errc::invalid_dtype,
-                     "record tensor '" + id + "' has dtype " + std::string(to_string(dtype)) + " but tensor of " +
-                         std::string(to_string(storage_->dtype)) + " came before it; a window has one work dtype.",
-                     id);
-      }
-      if (!storage_) take_storage(dtype);
-      if (storage_->present[*position] != 0) {
-        detail::fail(errc::invalid_record, "record lists tensor '" + id + "' twice.", id);
-      }
-      const flat_segment<B>& s = (*layout_)[*position];
+      const std::size_t position = admit(id, dtype, shape);
+      const flat_segment<B>& s = (*layout_)[position];
       // On a throw the segment may hold part of the values: it stays absent, so it is zeroed.
       try {
         if (dtype == float_dtype::f64) {
@@ -222,7 +194,27 @@ class gradients_accumulator {
         std::memset(storage_->bytes.get() + s.offset * storage_->element_size(), 0, s.size * storage_->element_size());
         throw;
       }
-      storage_->mark_present(*position);
+      storage_->mark_present(position);
+    }
+
+    /// @brief The checks of `add` for a tensor whose values come later, with all the others',
+    /// through `values`.
+    void place(std::string_view id, float_dtype dtype, const tensor_shape& shape) {
+      const std::size_t position = admit(id, dtype, shape);
+      storage_->mark_present(position);  // a failed load drops the buffer: nothing is restored
+      placed_.push_back(position);
+    }
+
+    /// @brief Reads the values of the tensors placed so far from `block` (see `values_block` in
+    /// `<gradaccum/cereal.hpp>`): in one read straight into the buffer when every tensor is
+    /// where its segment is, else tensor by tensor into their segments.
+    template <class Block>
+    void values(const Block& block) {
+      if (!storage_ || storage_->dtype == float_dtype::f32) {
+        read_block<float>(block);
+      } else {
+        read_block<double>(block);
+      }
     }
 
     void commit() && noexcept {
@@ -241,6 +233,85 @@ class gradients_accumulator {
     }
 
    private:
+    /// Checks a tensor against the parameter set and the tensors admitted so far, takes a
+    /// buffer for the first, and returns its position.
+    std::size_t admit(std::string_view id, float_dtype dtype, const tensor_shape& shape) {
+      if (expected_ && dtype != *expected_) {
+        detail::fail(errc::invalid_state,
+                     "pending tensor '" + std::string(id) + "' has dtype " + std::string(to_string(dtype)) +
+                         " but the accumulation state's work dtype is " + std::string(to_string(*expected_)) + ".",
+                     std::string(id));
+      }
+      require_pending_dtype(id, dtype);
+      if (!layout_) layout_ = target_->layout_for(*params_);
+      const auto position = position_of(id);
+      if (!position) {
+        detail::fail(errc::unknown_parameters,
+                     "record tensor '" + std::string(id) + "' names no parameter of the parameter set.",
+                     std::string(id));
+      }
+      if (!detail::same_shape<B>(shape, (*params_)[*position].shape)) {
+        detail::fail(errc::parameter_mismatch,
+                     "record tensor '" + std::string(id) + "' has shape " + shape.to_string() +
+                         " but its parameter has shape " + (*params_)[*position].shape.to_string() + ".",
+                     std::string(id));
+      }
+      if (storage_ && dtype != storage_->dtype) {
+        detail::fail(errc::invalid_dtype,
+                     "record tensor '" + std::string(id) + "' has dtype " + std::string(to_string(dtype)) +
+                         " but tensor of " + std::string(to_string(storage_->dtype)) +
+                         " came before it; a window has one work dtype.",
+                     std::string(id));
+      }
+      if (!storage_) take_storage(dtype);
+      if (storage_->present[*position] != 0) {
+        detail::fail(errc::invalid_record, "record lists tensor '" + std::string(id) + "' twice.", std::string(id));
+      }
+      return *position;
+    }
+
+    /// `values` in work dtype W.
+    template <class W, class Block>
+    void read_block(const Block& block) {
+      const std::optional<std::size_t> base = block_base<W>(block);
+      if (!base) {
+        block.each([&](std::size_t i, const auto& values) {
+          const flat_segment<B>& s = (*layout_)[placed_[i]];
+          values.into(std::span<W>(storage_->data<W>() + s.offset, s.size));
+        });
+        return;
+      }
+      const std::size_t end = *base + block.bytes() / sizeof(W);
+      block.into(std::span<W>(storage_->data<W>() + *base, end - *base));
+      // What the block held besides the tensors, segments of other parameters and padding alike,
+      // must be zero, as the buffer's invariant is.
+      const auto* const bytes = reinterpret_cast<const unsigned char*>(storage_->data<W>());
+      std::size_t at = *base;
+      for (std::size_t position = 0; position < layout_->size(); ++position) {
+        if (storage_->present[position] == 0) continue;
+        const flat_segment<B>& s = (*layout_)[position];
+        block.check_zero(bytes + at * sizeof(W), (s.offset - at) * sizeof(W));
+        at = s.offset + s.size;
+      }
+      block.check_zero(bytes + at * sizeof(W), (end - at) * sizeof(W));
+    }
+
+    /// Where the block's first value goes in the buffer, if every tensor placed is at the
+    /// offset its segment has from there and the block fits from there on.
+    template <class W, class Block>
+    std::optional<std::size_t> block_base(const Block& block) const noexcept {
+      const auto entries = block.entries();
+      if (placed_.empty() || block.bytes() % sizeof(W) != 0) return std::nullopt;
+      const std::size_t first = (*layout_)[placed_[0]].offset;
+      if (entries[0].offset / sizeof(W) > first) return std::nullopt;
+      const std::size_t base = first - entries[0].offset / sizeof(W);
+      for (std::size_t i = 0; i < placed_.size(); ++i) {
+        if ((*layout_)[placed_[i]].offset - base != entries[i].offset / sizeof(W)) return std::nullopt;
+      }
+      if (block.bytes() / sizeof(W) > layout_->elements() - base) return std::nullopt;
+      return base;
+    }
+
     /// A buffer for the values: a recycled one, taken as it is (every value the load writes
     /// overwrites it, so zeroing it first would write the whole window twice), else a new one.
     void take_storage(float_dtype dtype) {
@@ -262,10 +333,21 @@ class gradients_accumulator {
       const std::span<const std::size_t> order = layout_->by_id();
       for (; next_ < order.size(); ++next_) {  // one comparison per id in the usual case
         const int order_of = std::string_view((*layout_)[order[next_]].id).compare(id);
-        if (order_of == 0) return order[next_++];
+        if (order_of == 0) {
+          prefetch_ahead(order);
+          return order[next_++];
+        }
         if (order_of > 0) break;
       }
       return params_->find(id);
+    }
+
+    /// The walk visits segments in id order, scattered over the layout: their ids are fetched
+    /// ahead (the segment two places on, the id of the next), so the comparisons of a load of
+    /// many small tensors do not wait on memory.
+    void prefetch_ahead(std::span<const std::size_t> order) const noexcept {
+      if (next_ + 2 < order.size()) __builtin_prefetch(&(*layout_)[order[next_ + 2]]);
+      if (next_ + 1 < order.size()) __builtin_prefetch((*layout_)[order[next_ + 1]].id.data());
     }
 
     gradients_accumulator* target_;
@@ -275,6 +357,7 @@ class gradients_accumulator {
     std::shared_ptr<const flat_layout<B>> layout_;
     std::shared_ptr<detail::flat_storage> storage_;
     std::vector<std::uint8_t> stale_;  // segments a recycled storage_ held values in when taken
+    std::vector<std::size_t> placed_;  // positions of the tensors `place`d, in their order
   };
 
  private:
@@ -506,12 +589,12 @@ class gradients_accumulator {
     return nullptr;
   }
 
-  static void require_pending_dtype(const std::string& id, float_dtype dtype) {
+  static void require_pending_dtype(std::string_view id, float_dtype dtype) {
     if (!is_work_dtype(dtype)) {
-      detail::fail(
-          errc::invalid_dtype,
-          "pending tensor '" + id + "' has dtype " + std::string(to_string(dtype)) + "; pending sums are F32 or F64.",
-          id);
+      detail::fail(errc::invalid_dtype,
+                   "pending tensor '" + std::string(id) + "' has dtype " + std::string(to_string(dtype)) +
+                       "; pending sums are F32 or F64.",
+                   std::string(id));
     }
   }
 

@@ -106,6 +106,10 @@ inline tensor_view view_of(const tensor_record& tensor) noexcept {
 /// @brief A `gradients_params_record` of borrowed tensors, in record order.
 struct gradients_view {
   std::span<const tensor_view> tensors;
+  /// When the tensors are segments of one buffer: that buffer from the first segment's start to
+  /// the last one's end (zeros between segments), which binary archives write as it is. Empty
+  /// otherwise.
+  values_view block;
 };
 
 /// @brief A `weighted_gradients_record` whose tensors are borrowed.

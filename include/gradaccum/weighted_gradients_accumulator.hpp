@@ -183,6 +183,15 @@ class weighted_gradients_accumulator {
       detail::check_pending_against(state_, 1, [&](auto&& check) { check(id, dtype); });
       built_.add(std::move(id), dtype, shape, values);
     }
+    void place(std::string_view id, float_dtype dtype, const tensor_shape& shape) {
+      // The dtype is checked against the state's by `expect_dtype`.
+      detail::check_pending_against(state_, 1, [](auto&& /*check*/) {});
+      built_.place(id, dtype, shape);
+    }
+    template <class Block>
+    void values(const Block& block) {
+      built_.values(block);
+    }
     void commit() && noexcept {
       std::move(built_).commit();
       target_->state_ = state_;

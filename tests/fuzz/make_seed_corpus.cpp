@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +34,15 @@ int main() {
           {"z", float_dtype::f64, {0, 4}, std::vector<double>{}}}},
         {float_dtype::f64, 0.5, 1e-300, std::numeric_limits<std::uint64_t>::max()}}},
   };
+  // "two_tensors" as an accumulator over the harness's parameters writes it: binary archives
+  // hold its buffer as it is ('b' padded to 16 elements), which loads into one read.
+  const std::vector<float> buffer = {0.5F, -1.0F, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6};
+  const std::uint64_t b_shape[] = {1, 2};
+  const std::uint64_t w_shape[] = {2, 3};
+  const std::span<const float> values(buffer);
+  const detail::tensor_view views[] = {{"b", float_dtype::f32, b_shape, values.subspan(0, 2)},
+                                       {"w", float_dtype::f32, w_shape, values.subspan(16, 6)}};
+  const detail::weighted_gradients_view window{{float_dtype::f32, 1024.0, 7.0, 2}, {views, values}};
   for (const checkpoint_format format : {checkpoint_format::binary, checkpoint_format::portable_binary,
                                          checkpoint_format::json, checkpoint_format::xml}) {
     const std::filesystem::path directory = std::filesystem::path("corpus") / std::string(to_string(format));
@@ -40,6 +50,9 @@ int main() {
     for (const auto& [name, record] : seeds) {
       std::ofstream(directory / name, std::ios::binary | std::ios::trunc) << serialize_checkpoint(record, format);
     }
+    if (detail::is_text_format(format)) continue;  // text archives write it as the record
+    std::ofstream out(directory / "two_tensors_buffer", std::ios::binary | std::ios::trunc);
+    detail::write_record(out, window, format);
   }
   return 0;
 }

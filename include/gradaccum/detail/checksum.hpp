@@ -159,7 +159,8 @@ class content_hash {
 
 /// @brief Hashes a block of bytes into a `content_hash` on a worker thread while the caller
 /// fills it front to back: a large checkpoint load reads the next piece while the last one is
-/// hashed, so the checksum costs the calling thread nothing but the hand-offs.
+/// hashed, and a save writes values while they are hashed, so the checksum costs the calling
+/// thread nothing but the hand-offs.
 ///
 /// The caller says how far the block is filled (`filled`) and then waits for the whole hash
 /// (`finish`); XXH3 gives the same digest however the bytes are split. Destroyed unfinished (the
