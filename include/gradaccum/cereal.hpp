@@ -1091,26 +1091,35 @@ void load_tensor(Archive& ar, Sink& sink) {
   });
 }
 
+/// The directory of `count` tensors whose entries take `min_entry` to `max_entry` bytes each,
+/// its size checked against both before anything is allocated or read.
+template <class Archive>
+std::string load_directory(Archive& ar, std::uint64_t count, std::uint64_t min_entry, std::uint64_t max_entry,
+                           const load_site& site) {
+  cereal::size_type directory_bytes = 0;
+  ar(cereal::make_size_tag(directory_bytes));
+  // Bounded by what `count` entries can take, before the bytes left are even asked (a sparse
+  // file "holds" whatever it claims).
+  if (directory_bytes != 0 && (directory_bytes - 1) / max_entry >= count) {
+    site.fail("has a directory of " + std::to_string(directory_bytes) + " bytes, more than the entries of its " +
+              std::to_string(count) + " tensors take.");
+  }
+  std::string directory;
+  load_raw(ar, directory, directory_bytes, site, "directory");
+  if (count > directory.size() / min_entry) {
+    site.fail("declares " + std::to_string(count) + " tensors, more than its directory of " +
+              std::to_string(directory.size()) + " bytes holds.");
+  }
+  return directory;
+}
+
 /// Reads the directory and values of a binary gradients record of format 3 (see above) into
 /// `sink`. The directory is read only if the input holds it, and no tensor is handed on before
 /// its entry has been checked.
 template <class Archive, class Sink>
 void load_binary_tensors(Archive& ar, Sink& sink, std::uint64_t count, const load_site& site) {
   content_hash* const hash = active_hash;
-  cereal::size_type directory_bytes = 0;
-  ar(cereal::make_size_tag(directory_bytes));
-  // Bounded by what `count` entries can take, before the bytes left are even asked (a sparse
-  // file "holds" whatever it claims).
-  if (directory_bytes != 0 && (directory_bytes - 1) / max_directory_entry_bytes >= count) {
-    site.fail("has a directory of " + std::to_string(directory_bytes) + " bytes, more than the entries of its " +
-              std::to_string(count) + " tensors take.");
-  }
-  std::string directory;
-  load_raw(ar, directory, directory_bytes, site, "directory");
-  if (count > directory.size() / min_directory_entry_bytes) {
-    site.fail("declares " + std::to_string(count) + " tensors, more than its directory of " +
-              std::to_string(directory.size()) + " bytes holds.");
-  }
+  std::string directory = load_directory(ar, count, min_directory_entry_bytes, max_directory_entry_bytes, site);
   sink.reserve(static_cast<std::size_t>(count));
   directory_reader entries(directory, site);
   std::string id;  // reused: a sink that keeps ids moves from it, others leave its buffer
@@ -1222,20 +1231,7 @@ template <class Archive, class Sink>
 void load_block_tensors(Archive& ar, Sink& sink, std::uint64_t count, const load_site& site, content_hash& hash) {
   constexpr std::uint64_t min_entry = min_directory_entry_bytes + block_offset_bytes;
   constexpr std::uint64_t max_entry = max_directory_entry_bytes + block_offset_bytes;
-  cereal::size_type directory_bytes = 0;
-  ar(cereal::make_size_tag(directory_bytes));
-  // Bounded by what `count` entries can take, before the bytes left are even asked (a sparse
-  // file "holds" whatever it claims).
-  if (directory_bytes != 0 && (directory_bytes - 1) / max_entry >= count) {
-    site.fail("has a directory of " + std::to_string(directory_bytes) + " bytes, more than the entries of its " +
-              std::to_string(count) + " tensors take.");
-  }
-  std::string directory;
-  load_raw(ar, directory, directory_bytes, site, "directory");
-  if (count > directory.size() / min_entry) {
-    site.fail("declares " + std::to_string(count) + " tensors, more than its directory of " +
-              std::to_string(directory.size()) + " bytes holds.");
-  }
+  std::string directory = load_directory(ar, count, min_entry, max_entry, site);
   const std::uint64_t block_bytes =
       load_unsigned(ar, site, "values block size", std::numeric_limits<std::uint64_t>::max());
   check_block_fits<char>(ar, block_bytes, site, "values");
