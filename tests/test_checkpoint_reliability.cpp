@@ -78,7 +78,10 @@ errc code_of_parse(const std::string& bytes, checkpoint_format format) {
 }  // namespace
 
 TEST_CASE("checkpoints of formats 2 (no checksum) and 3 (a tensor's values after its entry) still load") {
-  for (const auto& [stem, version] : {std::pair{"window_v2", 2U}, std::pair{"window_v3", 3U}}) {
+  for (const auto& fixture : {std::pair{"window_v2", 2U}, std::pair{"window_v3", 3U}}) {
+    // Named copies: clang 14 cannot capture a structured binding in CAPTURE's lambda.
+    const std::string stem = fixture.first;
+    const unsigned version = fixture.second;
     for (const checkpoint_format format : all_formats) {
       CAPTURE(stem);
       CAPTURE(format);
