@@ -5,6 +5,7 @@
 /// `acc.noalias() += s * g.cast<float>()` and xtensor's `noalias(acc) += s * xt::cast<float>(g)`,
 /// with `acc` row-major, the layout of gradaccum's sums.
 
+#include <cmath>
 #include <cstddef>
 #include <string>
 #include <utility>
@@ -43,6 +44,11 @@ using row_major = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Ro
 /// an n x n one.
 enum class input { block, transpose };
 
+/// n of the n x n gradient whose sums are the case's argument, in bytes.
+std::size_t side_of(const benchmark::State& state) {
+  return static_cast<std::size_t>(std::lround(std::sqrt(static_cast<double>(state.range(0)) / 4.0)));
+}
+
 Eigen::MatrixXf source(input kind, Eigen::Index n) {
   const Eigen::Index m = kind == input::block ? n + 8 : n;
   return Eigen::MatrixXf::Constant(m, m, 0.5F);
@@ -58,7 +64,7 @@ void with_eigen_input(input kind, const Eigen::MatrixXf& big, Eigen::Index n, F&
 }
 
 void eigen_ours(benchmark::State& state, input kind) {
-  const auto n = static_cast<Eigen::Index>(state.range(0));
+  const auto n = static_cast<Eigen::Index>(side_of(state));
   const Eigen::MatrixXf big = source(kind, n);
   using B = gradaccum::eigen_backend;
   gradaccum::parameter_set<B> params;
@@ -81,7 +87,7 @@ void eigen_ours(benchmark::State& state, input kind) {
 }
 
 void eigen_native(benchmark::State& state, input kind) {
-  const auto n = static_cast<Eigen::Index>(state.range(0));
+  const auto n = static_cast<Eigen::Index>(side_of(state));
   const Eigen::MatrixXf big = source(kind, n);
   row_major acc = row_major::Zero(n, n);
   const auto s = opaque(static_cast<float>(mean_weight));
@@ -113,7 +119,7 @@ void with_xtensor_input(input kind, const xt::xarray<float>& big, std::size_t n,
 }
 
 void xtensor_ours(benchmark::State& state, input kind) {
-  const auto n = static_cast<std::size_t>(state.range(0));
+  const auto n = side_of(state);
   const xt::xarray<float> big = xsource(kind, n);
   using B = gradaccum::xtensor_backend;
   gradaccum::parameter_set<B> params;
@@ -136,7 +142,7 @@ void xtensor_ours(benchmark::State& state, input kind) {
 }
 
 void xtensor_noalias(benchmark::State& state, input kind) {
-  const auto n = static_cast<std::size_t>(state.range(0));
+  const auto n = side_of(state);
   const xt::xarray<float> big = xsource(kind, n);
   xt::xarray<float> acc(std::vector<std::size_t>{n, n}, 0.0F);
   const auto s = opaque(static_cast<float>(mean_weight));
@@ -151,9 +157,12 @@ void xtensor_noalias(benchmark::State& state, input kind) {
 }
 #endif
 
-/// n x n floats: 64 KiB, 1 MiB, 16 MiB of sums.
+/// n x n floats, n = 128, 512, 2048: 64 KiB, 1 MiB, 16 MiB of sums, the case's argument (the
+/// suite names cases by bytes; `--ga_max_bytes` skips the larger ones).
 void sizes(benchmark::internal::Benchmark* b) {
-  for (const long n : {128L, 512L, 2048L}) b->Arg(n);
+  for (const long n : {128L, 512L, 2048L}) {
+    if (size_enabled(static_cast<std::size_t>(n * n * 4))) b->Arg(n * n * 4);
+  }
   b->Unit(benchmark::kMicrosecond);
 }
 
