@@ -40,8 +40,8 @@
 namespace gradaccum {
 
 /// @brief How many bytes `allreduce_mean` and `start_allreduce_mean` sum per collective unless
-/// told otherwise: a bucket is normalized as soon as its sum arrives, while it is still in cache,
-/// and a window of many buckets has them all in flight together (as DDP's `bucket_cap_mb`).
+/// told otherwise (as DDP's `bucket_cap_mb`): a bucket is normalized as soon as its sum arrives,
+/// while it is still in cache.
 inline constexpr std::size_t default_bucket_bytes = std::size_t{4} << 20;
 
 /// @brief How `reduce_scatter_mean` sums a window.
@@ -80,8 +80,8 @@ enum class shard_reduction {
 /// throws alike, and `sums` is moved from only on success.
 ///
 /// Values are summed in buckets of `bucket_bytes` (at least one element, at most `INT_MAX`);
-/// every rank must pass the same, else error(errc::invalid_state) on every rank. A window of one
-/// bucket is summed by one blocking `MPI_Allreduce`.
+/// every rank must pass the same, else error(errc::invalid_state) on every rank. The buckets are
+/// summed one after another, each by one blocking `MPI_Allreduce`.
 template <class B>
 [[nodiscard]] accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
                                                       MPI_Comm comm, std::size_t bucket_bytes = default_bucket_bytes);
@@ -143,8 +143,8 @@ class allreduce_mean_request {
   friend sharded_gradients<B2> reduce_scatter_mean(const parameter_set<B2>&, accumulated_gradients<B2>&&, MPI_Comm,
                                                    shard_reduction, std::size_t);
 
-  /// Agrees and starts the collectives. For every caller but `start_allreduce_mean`, a window of
-  /// one bucket is reduced right here by the blocking `MPI_Allreduce` instead. For
+  /// Agrees and starts the collectives. For every caller but `start_allreduce_mean`, the buckets
+  /// are reduced right here, one blocking `MPI_Allreduce` after another, instead. For
   /// `reduce_scatter_mean`, the agreement also ORs whether any rank's sums hold a non-finite
   /// value; `also_reserve(elements)` allocates what the caller needs, inside the agreement.
   template <class Reserve>
@@ -217,20 +217,18 @@ void allgather_shards(const sharded_gradients<B>& shard, std::span<W> flat_param
 // ---------------------------------------------------------------------------------------------
 // Implementation.
 //
-// The values are summed in place over the window buffer in buckets of at most
-// `bucket_bytes`, each normalized once its sum has arrived: one `MPI_Iallreduce`
-// per bucket, all in flight together; a window of one bucket in `allreduce_mean` by one blocking
-// `MPI_Allreduce`. Measured on 2 local ranks of Open MPI 4.1 (see README "Going multi-process"
-// and benchmarks/bench_mpi.cpp, on a loaded machine), a 64 MiB window's 16 buckets in flight
-// together took 0.74-1.11 times one raw blocking `MPI_Allreduce` of it in three runs, where
-// blocking buckets one after another took 0.49-1.79 times; a 2.4 MiB window by the blocking
-// `MPI_Allreduce` took 0.25-0.96 times as long as by one `MPI_Iallreduce`; and
-// `MPI_Reduce_scatter_block`, normalize this rank's 1/N, `MPI_Allgather` was slower than a raw
-// `MPI_Allreduce` in every run (1.25-3.5 times), although it divides only 1/N per rank. Every rank
-// normalizes the same sums with the same arithmetic, so it gets the same bits as long as MPI
-// hands every rank the same sums, which the reduction algorithms of Open MPI and MPICH do for a
-// commutative operation (each sum is formed once and sent, or formed by both partners of an
-// exchange as a + b and b + a, which round alike).
+// The values are summed in place over the window buffer in buckets of at most `bucket_bytes`,
+// each normalized once its sum has arrived: in the blocking calls one `MPI_Allreduce` per bucket,
+// one after another; in `start_allreduce_mean` one `MPI_Iallreduce` per bucket, all in flight
+// together. Measured on 2 local ranks of Open MPI 4.1 on a quiet machine (README "Going
+// multi-process", benchmarks/bench_mpi.cpp), sixteen blocking 4 MiB buckets of a 64 MiB window,
+// each normalized on arrival, took 0.36-0.60 times one raw blocking `MPI_Allreduce` of it, where
+// the same buckets in flight together took 0.86-0.98 times; and `MPI_Reduce_scatter_block`,
+// normalize this rank's 1/N, `MPI_Allgather` took about twice the raw `MPI_Allreduce`, although
+// it divides only 1/N per rank. Every rank normalizes the same sums with the same arithmetic,
+// so it gets the same bits as long as MPI hands every rank the same sums, which the reduction
+// algorithms of Open MPI and MPICH do for a commutative operation (each sum is formed once and
+// sent, or formed by both partners of an exchange as a + b and b + a, which round alike).
 //
 // Only collectives on the caller's communicator are used, no point-to-point messages, so no
 // duplicate communicator is needed: MPI keeps collective traffic apart from point-to-point
@@ -247,16 +245,17 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
                                                   MPI_Comm comm, std::size_t bucket_bytes,
                                                   detail::mpi::value_collectives collectives, Reserve&& also_reserve) {
   using detail::mpi::value_collectives;
-  const bool block_single_bucket = collectives != value_collectives::started_allreduce;
+  const bool blocking = collectives != value_collectives::started_allreduce;
   const auto bucket_of = [&](float_dtype dtype) {
     return detail::mpi::bucket_elements(bucket_bytes, dtype == float_dtype::f64 ? sizeof(double) : sizeof(float));
   };
   window_ = detail::mpi::agree(
       params, sums, comm,
       [&](std::size_t elements) {
-        const std::size_t bucket = bucket_of(sums.state.dtype);
-        requests_.reserve(elements / bucket + 1);
-        completed_.resize(requests_.capacity());
+        if (!blocking) {
+          requests_.reserve(elements / bucket_of(sums.state.dtype) + 1);
+          completed_.resize(requests_.capacity());
+        }
         also_reserve(elements);
       },
       collectives, collectives == value_collectives::allreduce_then_shard, bucket_bytes);
@@ -265,9 +264,11 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
   try {
     detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
       W* const values = window_.gradients.template flat<W>().data();
-      if (block_single_bucket && window_.end - window_.begin <= bucket_) {
-        detail::mpi::reduce(values, window_.begin, window_.end, static_cast<W>(window_.state.loss_scale),
-                            static_cast<W>(window_.state.total_weight), comm);
+      if (blocking) {
+        for (std::size_t at = window_.begin; at < window_.end; at += bucket_) {
+          detail::mpi::reduce(values, at, std::min(at + bucket_, window_.end), static_cast<W>(window_.state.loss_scale),
+                              static_cast<W>(window_.state.total_weight), comm);
+        }
         return;
       }
       for (std::size_t at = window_.begin; at < window_.end; at += bucket_) {
