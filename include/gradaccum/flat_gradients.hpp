@@ -82,6 +82,11 @@ class flat_layout {
     for (std::size_t i = 0; i < by_id_.size(); ++i) by_id_[i] = i;
     std::sort(by_id_.begin(), by_id_.end(),
               [&](std::size_t a, std::size_t b) { return segments_[a].id < segments_[b].id; });
+    sorted_id_ends_.reserve(segments_.size());
+    for (const std::size_t position : by_id_) {
+      sorted_ids_ += segments_[position].id;
+      sorted_id_ends_.push_back(sorted_ids_.size());
+    }
   }
 
   [[nodiscard]] std::size_t size() const noexcept { return segments_.size(); }
@@ -96,6 +101,12 @@ class flat_layout {
   }
   /// @brief Positions sorted by id: the order of records.
   [[nodiscard]] std::span<const std::size_t> by_id() const noexcept { return by_id_; }
+  /// @brief The id of `by_id()[k]`, from one contiguous copy of the ids in that order: a load
+  /// matches a record's ids against them front to back, reading memory in order.
+  [[nodiscard]] std::string_view sorted_id(std::size_t k) const noexcept {
+    const std::size_t begin = k == 0 ? 0 : sorted_id_ends_[k - 1];
+    return std::string_view(sorted_ids_).substr(begin, sorted_id_ends_[k] - begin);
+  }
   /// @brief Whether this layout was built from `params` as it is now (a set only appends).
   [[nodiscard]] bool laid_out_for(const parameter_set<B>& params) const noexcept {
     return params.identity() == params_identity_ && params.size() == segments_.size();
@@ -109,6 +120,8 @@ class flat_layout {
   std::vector<flat_segment<B>> segments_;
   detail::id_index index_;
   std::vector<std::size_t> by_id_;
+  std::string sorted_ids_;                   // every id in by_id_ order, back to back
+  std::vector<std::size_t> sorted_id_ends_;  // where each of them ends in sorted_ids_
   std::size_t total_ = 0;
   std::uint64_t params_identity_;
 };

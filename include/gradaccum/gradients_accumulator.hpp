@@ -327,27 +327,16 @@ class gradients_accumulator {
     }
 
     /// The parameter `id` names. Records list tensors sorted by id, the layout's `by_id()`
-    /// order, so the walk along it finds each with a comparison or two; ids out of that order
-    /// are looked up.
+    /// order, so the walk along its sorted ids finds each with a comparison or two; ids out of
+    /// that order are looked up.
     std::optional<std::size_t> position_of(std::string_view id) noexcept {
       const std::span<const std::size_t> order = layout_->by_id();
       for (; next_ < order.size(); ++next_) {  // one comparison per id in the usual case
-        const int order_of = std::string_view((*layout_)[order[next_]].id).compare(id);
-        if (order_of == 0) {
-          prefetch_ahead(order);
-          return order[next_++];
-        }
+        const int order_of = layout_->sorted_id(next_).compare(id);
+        if (order_of == 0) return order[next_++];
         if (order_of > 0) break;
       }
       return params_->find(id);
-    }
-
-    /// The walk visits segments in id order, scattered over the layout: their ids are fetched
-    /// ahead (the segment two places on, the id of the next), so the comparisons of a load of
-    /// many small tensors do not wait on memory.
-    void prefetch_ahead(std::span<const std::size_t> order) const noexcept {
-      if (next_ + 2 < order.size()) __builtin_prefetch(&(*layout_)[order[next_ + 2]]);
-      if (next_ + 1 < order.size()) __builtin_prefetch((*layout_)[order[next_ + 1]].id.data());
     }
 
     gradients_accumulator* target_;
