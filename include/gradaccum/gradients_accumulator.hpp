@@ -362,23 +362,42 @@ class gradients_accumulator {
     }
   };
 
-  void add(const parameter_set<B>& params, const gradients_params<B>& grads, double multiplier, float_dtype dtype) {
-    // 1. Validate every gradient and resolve its id to a parameter position; nothing is touched.
+  /// `pending += W(multiplier) · W(g)`: `prepare`, then `add_prepared`.
+  template <class G>
+  void add(const parameter_set<B>& params, const G& grads, double multiplier, float_dtype dtype) {
+    prepare(params, grads, dtype);
+    add_prepared(params, grads, multiplier, dtype);
+  }
+
+  /// Everything of an add that may throw, touching no value: every gradient validated and its
+  /// id resolved to a parameter position, then a buffer laid out for `params` in `dtype`. The
+  /// adds that follow (`add_prepared`) cannot fail, so a caller may commit its own state in
+  /// between, before the kernels' stores, rather than after them.
+  void prepare(const parameter_set<B>& params, const gradients_params<B>& grads, float_dtype dtype) {
     // Gradients bound to `params` were resolved and checked at insert; only owned tensors,
     // which `get<T>` hands out mutably, are checked again.
-    const bool bound = grads.bound_to(params);
-    if (bound) {
+    if (grads.bound_to(params)) {
       if (grads.owned_count() != 0) check_owned(params, grads);
     } else {
       resolve_positions(params, grads);
     }
-    if (grads.empty()) return;
-
-    // 2. Allocate what is missing: a layout for this parameter set, a buffer in `dtype`.
-    // 3. Commit and add: nothing below can throw.
-    if (!ready_for(params, dtype)) [[unlikely]] {
+    if (!grads.empty() && !ready_for(params, dtype)) [[unlikely]] {
       lay_out(params, dtype, nullptr);
     }
+  }
+
+  /// Whether `prepare` would find nothing to do: gradients bound to `params`, all views, and a
+  /// buffer laid out for `params` in `dtype` (the steady state of a training loop).
+  [[nodiscard, gnu::always_inline]] bool ready_to_add(const parameter_set<B>& params, const gradients_params<B>& grads,
+                                                      float_dtype dtype) const noexcept {
+    return grads.bound_to(params) && grads.owned_count() == 0 && ready_for(params, dtype);
+  }
+
+  /// The adds of a prepared call (positions from the binding or `positions_`).
+  void add_prepared(const parameter_set<B>& params, const gradients_params<B>& grads, double multiplier,
+                    float_dtype dtype) noexcept {
+    if (grads.empty()) return;
+    const bool bound = grads.bound_to(params);
     if (dtype == float_dtype::f64) {
       bound ? add_each<double, true>(grads, multiplier) : add_each<double, false>(grads, multiplier);
     } else {
@@ -388,27 +407,36 @@ class gradients_accumulator {
   }
 
   /// The adds of `add`, into the prepared buffer (positions from the binding or `positions_`).
-  /// Each gradient goes to the add of its alternative through a table of functions, with the
-  /// segment and scale as arguments: they stay in registers (a visiting lambda's captures were
-  /// written to the stack for every gradient).
+  /// One gradient (a model whose parameters live in one flat tensor, as FSDP's flat parameter)
+  /// ends the call in its kernel, with no register saved on the way; more go round a loop.
   template <class W, bool Bound>
   void add_each(const gradients_params<B>& grads, W scale) noexcept {
+    if (grads.size() == 1) {
+      add_entry<W, Bound>(grads, 0, scale);
+    } else {
+      add_entries<W, Bound>(grads, scale);
+    }
+  }
+  template <class W, bool Bound>
+  [[gnu::noinline]] void add_entries(const gradients_params<B>& grads, W scale) noexcept {
+    for (std::size_t k = 0; k < grads.size(); ++k) add_entry<W, Bound>(grads, k, scale);
+  }
+  /// The k-th gradient goes to the add of its alternative through a table of functions, with
+  /// the segment and scale as arguments: they stay in registers (a visiting lambda's captures
+  /// were written to the stack for every gradient).
+  template <class W, bool Bound>
+  void add_entry(const gradients_params<B>& grads, std::size_t k, W scale) noexcept {
     using value_type = typename gradients_params<B>::value_type;
     using add_one = void (*)(std::span<W>, const value_type&, W) noexcept;
     static constexpr auto adds = []<std::size_t... I>(std::index_sequence<I...>) {
       return std::array<add_one, sizeof...(I)>{&add_alternative<W, I>...};
     }(std::make_index_sequence<std::variant_size_v<value_type>>{});
-    const flat_layout<B>& segments = *pending_.layout_;
+    const auto& e = grads.begin()[static_cast<std::ptrdiff_t>(k)];
+    const std::size_t position = Bound ? e.position : positions_[k];
+    const flat_segment<B>& s = (*pending_.layout_)[position];
     detail::flat_storage& buffer = *pending_.storage_;
-    W* const acc = buffer.data<W>();
-    std::size_t k = 0;  // the k-th gradient's position in positions_ (unbound only)
-    for (const auto& e : grads) {
-      std::size_t position = e.position;
-      if constexpr (!Bound) position = positions_[k++];
-      const flat_segment<B>& s = segments[position];
-      adds[e.value.index()](std::span<W>(acc + s.offset, s.size), e.value, scale);
-      buffer.mark_present(position);
-    }
+    buffer.mark_present(position);
+    adds[e.value.index()](std::span<W>(buffer.data<W>() + s.offset, s.size), e.value, scale);
   }
   template <class W, std::size_t I>
   static void add_alternative(std::span<W> acc, const typename gradients_params<B>::value_type& value,
@@ -440,47 +468,62 @@ class gradients_accumulator {
     }
   }
 
+  /// `prepare` and `add_prepared` of a `gradient_buffer`.
   template <class T>
-  void add(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, double multiplier, float_dtype dtype) {
+  void prepare(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, float_dtype dtype) {
     validate(params, grads);
-    if (grads.empty()) return;
-    if (!ready_for(params, dtype)) [[unlikely]] {
+    if (!grads.empty() && !ready_for(params, dtype)) [[unlikely]] {
       lay_out(params, dtype, &grads.layout_);  // the buffer's layout is this set's; then nothing throws
     }
-    // Both buffers have the same segments, so a run of present segments is one stretch of
-    // both, the zero padding between them included.
+  }
+  template <class T>
+  [[nodiscard, gnu::always_inline]] bool ready_to_add(const parameter_set<B>& params,
+                                                      const gradient_buffer<B, T>& grads,
+                                                      float_dtype dtype) const noexcept {
+    return grads.layout().laid_out_for(params) && ready_for(params, dtype);
+  }
+  template <class T>
+  void add_prepared(const parameter_set<B>& /*params*/, const gradient_buffer<B, T>& grads, double multiplier,
+                    float_dtype dtype) noexcept {
+    if (grads.empty()) return;  // then `prepare` may have laid out nothing
     const flat_layout<B>& segments = *pending_.layout_;
-    detail::flat_storage& buffer = *pending_.storage_;
+    const detail::flat_storage& buffer = *pending_.storage_;
     detail::visit_work_dtype(dtype, [&]<class W>() {
-      W* const acc = buffer.data<W>();
-      const T* const g = grads.data_.get();
       const auto scale = static_cast<W>(multiplier);
-      if (grads.size() == segments.size()) {  // every parameter: one pass, the whole buffer
-        kernels::add_scaled(acc, g, segments.elements(), scale);
-        if (buffer.present_count != segments.size()) {
-          std::fill(buffer.present.begin(), buffer.present.end(), std::uint8_t{1});
-          buffer.present_count = segments.size();
-        }
-        return;
-      }
-      for (std::size_t first = 0; first < segments.size();) {
-        if (!grads.is_present(first)) {
-          ++first;
-          continue;
-        }
-        std::size_t last = first;
-        while (last + 1 < segments.size() && grads.is_present(last + 1)) ++last;
-        const std::size_t begin = segments[first].offset;
-        kernels::add_scaled(acc + begin, g + begin, segments[last].offset + segments[last].size - begin, scale);
-        for (std::size_t position = first; position <= last; ++position) buffer.mark_present(position);
-        first = last + 1;
+      // The steady state, every parameter present in both: one pass over the whole buffer, and
+      // nothing else, so this call ends in the kernel.
+      if (grads.size() == segments.size() && buffer.present_count == segments.size()) [[likely]] {
+        kernels::add_scaled(buffer.data<W>(), grads.data_.get(), segments.elements(), scale);
+      } else {
+        add_present_runs(grads, scale);
       }
     });
+  }
+  /// The adds of a `gradient_buffer` otherwise: both buffers have the same segments, so a run
+  /// of present segments is one stretch of both, the zero padding between them included.
+  template <class T, class W>
+  [[gnu::noinline]] void add_present_runs(const gradient_buffer<B, T>& grads, W scale) noexcept {
+    const flat_layout<B>& segments = *pending_.layout_;
+    detail::flat_storage& buffer = *pending_.storage_;
+    W* const acc = buffer.data<W>();
+    const T* const g = grads.data_.get();
+    for (std::size_t first = 0; first < segments.size();) {
+      if (!grads.is_present(first)) {
+        ++first;
+        continue;
+      }
+      std::size_t last = first;
+      while (last + 1 < segments.size() && grads.is_present(last + 1)) ++last;
+      for (std::size_t position = first; position <= last; ++position) buffer.mark_present(position);
+      const std::size_t begin = segments[first].offset;
+      kernels::add_scaled(acc + begin, g + begin, segments[last].offset + segments[last].size - begin, scale);
+      first = last + 1;
+    }
   }
 
   /// Whether the pending buffer is one laid out for `params` in `dtype`, as it is in the steady
   /// state; else `lay_out` makes it one.
-  [[nodiscard]] bool ready_for(const parameter_set<B>& params, float_dtype dtype) const noexcept {
+  [[nodiscard, gnu::always_inline]] bool ready_for(const parameter_set<B>& params, float_dtype dtype) const noexcept {
     return pending_.storage_ && pending_.storage_->dtype == dtype && pending_.layout_ == layout_ &&
            layout_->laid_out_for(params);
   }
