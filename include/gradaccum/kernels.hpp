@@ -411,21 +411,29 @@ void divide(W* x, std::size_t count, W first, W second) noexcept {
   });
 }
 
-/// @brief Whether every element is finite. Reads everything (no early exit) so it vectorizes.
+/// @brief Whether every element is finite: whether no exponent field is all ones. Reads
+/// everything (no early exit) and ORs integer comparisons, which vectorize with any SIMD set (a
+/// floating-point test folded into a bool stayed one element per iteration, 9x slower).
 template <element_type T>
 bool all_finite(const T* x, std::size_t count) noexcept {
-  bool finite = true;
+  constexpr float_dtype dtype = dtype_of<T>;
+  using bits_type = std::conditional_t<dtype == float_dtype::f64, std::uint64_t,
+                                       std::conditional_t<dtype == float_dtype::f32, std::uint32_t, std::uint16_t>>;
+  constexpr auto exponent = static_cast<bits_type>(dtype == float_dtype::f64   ? 0x7ff0000000000000U
+                                                   : dtype == float_dtype::f32 ? 0x7f800000U
+                                                   : dtype == float_dtype::f16 ? 0x7c00U
+                                                                               : 0x7f80U);
+  bits_type seen = 0;  // all ones once an exponent field was
   for (std::size_t i = 0; i < count; ++i) {
-    const float_dtype dtype = dtype_of<T>;
+    bits_type bits;
     if constexpr (dtype == float_dtype::f32 || dtype == float_dtype::f64) {
-      finite &= (x[i] - x[i]) == (x[i] - x[i]);  // NaN for inf and NaN inputs
+      bits = std::bit_cast<bits_type>(x[i]);
     } else {
-      const std::uint16_t bits = bits_of(x[i]);
-      const std::uint16_t exponent = dtype == float_dtype::f16 ? 0x7c00U : 0x7f80U;
-      finite &= (bits & exponent) != exponent;
+      bits = bits_of(x[i]);
     }
+    seen |= static_cast<bits_type>((bits & exponent) == exponent ? ~bits_type{0} : bits_type{0});
   }
-  return finite;
+  return seen == 0;
 }
 
 /// @brief `out[i] = To(in[i])` for a work type `To`, exactly for widening conversions and
