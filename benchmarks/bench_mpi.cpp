@@ -303,10 +303,10 @@ class ratio_reporter : public benchmark::ConsoleReporter {
       bytes += std::to_string(shape.bytes());
       for (const auto& [ours, peer] :
            {std::pair{"ours_eigen", "mpi_raw"}, std::pair{"ours_eigen", "mpi_raw_mean"},
-            std::pair{"ours_eigen_start", "mpi_raw_start"},
-            std::pair{"ours_eigen_start", "mpi_raw"}, std::pair{"mpi_rsb_ag", "mpi_raw"},
-            std::pair{"ours_eigen_sharded", "mpi_raw_rs"}, std::pair{"ours_eigen_sharded", "ours_eigen"},
-            std::pair{"ours_eigen_sharded_same", "ours_eigen"}, std::pair{"mpi_raw_rs", "mpi_raw"}}) {
+            std::pair{"ours_eigen_start", "mpi_raw_start"}, std::pair{"ours_eigen_start", "mpi_raw"},
+            std::pair{"mpi_rsb_ag", "mpi_raw"}, std::pair{"ours_eigen_sharded", "mpi_raw_rs"},
+            std::pair{"ours_eigen_sharded", "ours_eigen"}, std::pair{"ours_eigen_sharded_same", "ours_eigen"},
+            std::pair{"mpi_raw_rs", "mpi_raw"}}) {
         const auto mine = medians_.find(shape.name() + "/" + ours + bytes);
         const auto theirs = medians_.find(shape.name() + "/" + peer + bytes);
         if (mine == medians_.end() || theirs == medians_.end()) continue;
