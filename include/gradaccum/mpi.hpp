@@ -41,7 +41,8 @@ namespace gradaccum {
 
 /// @brief How many bytes `allreduce_mean` and `start_allreduce_mean` sum per collective unless
 /// told otherwise (as DDP's `bucket_cap_mb`): a bucket is normalized as soon as its sum arrives,
-/// while it is still in cache.
+/// while it is still in cache where MPI's transport leaves it there (README "Going
+/// multi-process": Open MPI's single copy through the kernel does not, on one node).
 inline constexpr std::size_t default_bucket_bytes = std::size_t{4} << 20;
 
 /// @brief How `reduce_scatter_mean` sums a window.
