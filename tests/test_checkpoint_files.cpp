@@ -18,6 +18,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <spawn.h>
@@ -374,21 +375,29 @@ TEST_CASE("a writer killed mid-save never leaves a torn checkpoint: the previous
     return loaded.state.microbatches - 1;
   };
   std::mt19937 random(20240611);
-  std::uniform_int_distribution<int> delay_us(0, 10000);
+  std::uniform_real_distribution<double> moment(0.0, 1.0);
   constexpr int kills = 30;
   int killed_mid_save = 0;  // kills that left a temporary behind
   std::uint64_t last_generation = 0;
   for (int round = 0; round < kills; ++round) {
     CAPTURE(round);
     const pid_t writer = spawn_helper({"save-loop", path.string(), std::to_string(last_generation + 1)});
-    // Let the writer replace the checkpoint at least once (reading it meanwhile), then kill it
-    // at a random moment of its save loop.
+    // Let the writer replace the checkpoint twice (reading it meanwhile), which times one turn of
+    // its loop (build a generation's record, save it), then kill it at a random moment of a turn.
+    // The turn is timed rather than assumed: a sanitized build takes tens of times longer to
+    // build the record, and a fixed delay would then never reach the save.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (generation_at() == last_generation) {
-      REQUIRE(std::chrono::steady_clock::now() < deadline);
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(delay_us(random)));
+    const auto next_generation = [&](std::uint64_t after) {
+      std::uint64_t generation = after;
+      while ((generation = generation_at()) == after) {
+        REQUIRE(std::chrono::steady_clock::now() < deadline);
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      return std::pair{generation, std::chrono::steady_clock::now()};
+    };
+    const auto [first, first_seen] = next_generation(last_generation);
+    const auto [second, second_seen] = next_generation(first);
+    std::this_thread::sleep_for((second_seen - first_seen) * moment(random));
     REQUIRE(::kill(writer, SIGKILL) == 0);
     int status = 0;
     REQUIRE(::waitpid(writer, &status, 0) == writer);
