@@ -2,12 +2,14 @@
 /// @brief kernels.hpp: exact 16-bit widening, the two-rounding fused add, sequential division,
 /// finiteness and conversion, including ranges large enough to be split across threads.
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -80,6 +82,36 @@ TEST_CASE("add_scaled rounds the product, then the sum: never a fused multiply-a
   const double g64[] = {1 + 0x1p-27};
   kernels::add_scaled(acc64, g64, 1, 1 + 0x1p-27);
   CHECK(acc64[0] == 0.0);
+}
+
+TEST_CASE_TEMPLATE("add_scaled gives the two-rounding bits at every length, unrolled body and tails alike", W, float,
+                   double) {
+  // Lengths 0..300 cover the four-vector body, the single vectors after it and the scalar
+  // tail, at every offset. acc = -(1 + 2^-k), g = scale = 1 + 2^-(k+1): the rounded product is
+  // 1 + 2^-k, so each sum is exactly 0, where a fused multiply-add would leave 2^-(2k+2).
+  // Elements past the length must stay as they were.
+  constexpr int k = std::is_same_v<W, float> ? 11 : 26;
+  const W tiny = std::ldexp(W(1), -k);
+  const W scale = 1 + tiny / 2;
+  const W sentinel = 7;
+  for (std::size_t count = 0; count <= 300; ++count) {
+    std::vector<W> acc(count + 3, sentinel);
+    std::fill_n(acc.begin(), count, -(1 + tiny));
+    const std::vector<W> g(count, scale);
+    kernels::add_scaled(acc.data(), g.data(), count, scale);
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < count; ++i) wrong += same_bits(acc[i], W(0)) ? 0 : 1;
+    for (std::size_t i = count; i < acc.size(); ++i) wrong += acc[i] == sentinel ? 0 : 1;
+    // accumulate_sum's loop (scale 1): i + 1/2 is exact.
+    std::vector<W> sums(count + 3, sentinel);
+    for (std::size_t i = 0; i < count; ++i) sums[i] = static_cast<W>(i);
+    const std::vector<W> halves(count, W(0.5));
+    kernels::add_scaled(sums.data(), halves.data(), count, W(1));
+    for (std::size_t i = 0; i < count; ++i) wrong += sums[i] == static_cast<W>(i) + W(0.5) ? 0 : 1;
+    for (std::size_t i = count; i < sums.size(); ++i) wrong += sums[i] == sentinel ? 0 : 1;
+    INFO("length " << count);
+    CHECK(wrong == 0);
+  }
 }
 
 TEST_CASE("add_scaled converts each element to the work type before multiplying") {
