@@ -1,7 +1,11 @@
 /// @file
 /// @brief Accumulation of one parameter, every (work, incoming) dtype pair and size, side by
 /// side: the hand-written fused loop (the limit), the native Eigen and xtensor expressions,
-/// libtorch `add_` (when built with it) and gradaccum's accumulate_sum / accumulate_mean.
+/// libtorch `add_` (when built with it) and gradaccum's accumulate_sum / accumulate_mean, with
+/// gradaccum's kernel alone on the hand loop's buffers ("kernel": a call's fixed cost is the
+/// difference).
+
+#include <gradaccum/kernels.hpp>
 
 #include "bench_common.hpp"
 #include "bench_peers.hpp"
@@ -15,8 +19,8 @@ namespace ga_bench {
 namespace {
 
 /// The hand loop, single-threaded or (Threaded, registered only for sizes where gradaccum
-/// splits) on every OpenMP thread.
-template <class W, class In, bool Threaded = false>
+/// splits) on every OpenMP thread; or (Kernel) gradaccum's `kernels::add_scaled` in its place.
+template <class W, class In, bool Threaded = false, bool Kernel = false>
 void hand(benchmark::State& state, accumulate_case c) {
   const std::size_t n = c.elements();
   W* acc = pool().work<W>(n);
@@ -25,7 +29,9 @@ void hand(benchmark::State& state, accumulate_case c) {
   {
     alloc_probe probe(state);
     for (auto _ : state) {
-      if constexpr (Threaded) {
+      if constexpr (Kernel) {
+        gradaccum::kernels::add_scaled(acc, g, n, c.mean ? w : W(1));
+      } else if constexpr (Threaded) {
         if (c.mean) {
           hand_accumulate_mt<W, In>(acc, g, n, w);
         } else {
@@ -77,6 +83,10 @@ void register_case(const accumulate_case& c) {
   const std::string base = c.name() + "/";
   c.visit([&]<class W, class In>() {
     add(base + "hand", c.bytes, [c](benchmark::State& s) { hand<W, In>(s, c); });
+    if constexpr (std::is_same_v<W, In>) {
+      if (c.bytes <= 256 * KiB)
+        add(base + "kernel", c.bytes, [c](benchmark::State& s) { hand<W, In, false, true>(s, c); });
+    }
 #ifdef _OPENMP
     if (c.bytes >= 1 * MiB) add(base + "hand_mt", c.bytes, [c](benchmark::State& s) { hand<W, In, true>(s, c); });
 #endif

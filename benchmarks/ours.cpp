@@ -1,6 +1,5 @@
 /// @file
-/// @brief gradaccum's own cases ("ours_<backend>"), through the public API only, and its bare
-/// kernel ("kernel").
+/// @brief gradaccum's own cases ("ours_<backend>"), through the public API only.
 ///
 /// Accumulation cases reuse one accumulator for every iteration, so after the first call the
 /// window holds a pending tensor and a call costs what a training step pays per microbatch.
@@ -10,8 +9,6 @@
 /// many-small cases also show the unbound container, which resolves every id on every call.
 
 #include "bench_peers.hpp"
-
-#include <gradaccum/kernels.hpp>
 
 // GRADACCUM_BENCH_OURS_EIGEN / _XTENSOR come from meson.build: the backend's dependency was found.
 #ifdef GRADACCUM_BENCH_OURS_EIGEN
@@ -135,24 +132,6 @@ void accumulate_buffer_body(benchmark::State& state, accumulate_case c) {
   state.counters["bytes"] = accumulate_bytes<W, In>(n);
 }
 
-/// The library's kernel alone on the hand loop's two buffers, in cache: what a call costs
-/// besides its kernel is the difference from the `ours_<backend>` rows.
-template <class W>
-void kernel_body(benchmark::State& state, accumulate_case c) {
-  const std::size_t n = c.elements();
-  W* acc = pool().work<W>(n);
-  const W* g = pool().gradient<W>(n);
-  const auto w = opaque(static_cast<W>(c.mean ? mean_weight : 1.0));
-  {
-    alloc_probe probe(state);
-    for (auto _ : state) {
-      gradaccum::kernels::add_scaled(acc, g, n, w);
-      benchmark::ClobberMemory();
-    }
-  }
-  state.counters["bytes"] = accumulate_bytes<W, W>(n);
-}
-
 /// `count` parameters of `elements` floats, each gradient its own allocation, viewed in place;
 /// the gradients container bound to the parameter set (ids resolved at insert) or not.
 template <class B>
@@ -263,11 +242,6 @@ void for_each_backend(F&& f) {
 }  // namespace
 
 void register_ours_accumulate(const accumulate_case& c) {
-  c.visit([&]<class W, class In>() {
-    if constexpr (std::is_same_v<W, In>) {
-      if (c.bytes <= 256 * KiB) add(c.name() + "/kernel", c.bytes, [c](benchmark::State& s) { kernel_body<W>(s, c); });
-    }
-  });
   for_each_backend([&]<class B>() {
     c.visit([&]<class W, class In>() {
       add(c.name() + "/" + backend_of<B>::name, c.bytes,

@@ -153,8 +153,8 @@ void add_scaled_range(W* __restrict acc, const T* __restrict g, std::size_t coun
     }
   }
 #endif
-  // Four vectors per turn: with one, a 4 KiB F32 add in cache took 27-29 ns (20-37 ns with
-  // where the loop landed in the binary), with four 19-24 ns wherever it lands (AVX-512, g++ 12).
+  // Four vectors per turn: with one, a 4 KiB F32 add in cache took 27-29 ns (20-37 ns depending
+  // on where the loop landed in the binary), with four 19-24 ns wherever it lands (AVX-512, g++ 12).
   // Unrolling an elementwise loop changes no bits.
   if (scale == W(1)) {  // accumulate_sum: 1 · x is x, bit for bit (a NaN quieted either way)
 #pragma GCC unroll 4
