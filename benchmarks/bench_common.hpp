@@ -224,9 +224,9 @@ struct accumulate_case {
 /// @brief `value`, but unknown to the optimizer (a volatile read), so peers see runtime scalars
 /// as gradaccum does: a known power-of-two divisor, say, would become an exact reciprocal multiply.
 ///
-/// Not `benchmark::DoNotOptimize(x)` on a scalar: with GCC 12 its `"+m,r"` constraint hands back
-/// garbage for a `double` (here a subnormal 4.6e-310 instead of 3.0), which turned the peers'
-/// arithmetic subnormal and 30-60x slower.
+/// Not `benchmark::DoNotOptimize(x)` on a scalar: with GCC 12 its `"+m,r"` constraint can hand
+/// back garbage for a `double` (a subnormal instead of the value), which makes the peers'
+/// arithmetic subnormal and many times slower.
 template <class T>
 T opaque(T value) noexcept {
   volatile T hidden = value;

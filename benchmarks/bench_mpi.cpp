@@ -9,9 +9,9 @@
 /// never disagree on how often to call a collective), and only rank 0 prints. One run of a case
 /// takes as long as its slowest rank; an iteration's time is the fastest of `samples` runs. On a
 /// shared machine a rank that other load deschedules stalls its peer for one or more scheduler
-/// ticks (4 ms, ten times the small case); measured on 2 busy cores, more than half the runs of
-/// a 1 ms case held such a stall, so even their median measured the machine's load, not the
-/// reduction. The fastest run is the undisturbed time, and every peer is measured alike. Cases are
+/// ticks (4 ms, ten times the small case), so a median over runs would measure the machine's
+/// load, not the reduction. The fastest run is the undisturbed time, and every peer is measured
+/// alike. Cases are
 /// named `<case>/<peer>/<bytes>` like the rest of the suite: `allreduce/<tensors>x<elements>/
 /// {mpi_raw, mpi_raw_start, mpi_rsb_ag, mpi_raw_rs, mpi_per_tensor, ours_eigen, ours_eigen_start,
 /// ours_eigen_sharded, ours_eigen_sharded_same}/<bytes>`; `ours_eigen_sharded` is
@@ -111,10 +111,9 @@ double timed_loop(benchmark::State& state, const layout& shape, Prepare&& prepar
 /// state it is about to reduce it in: before each of our runs the window is accumulated, this
 /// times MPI alone on its buffer, and the window is accumulated again into the same (recycled)
 /// buffer for our run. Counter `vs_mpi_raw` is the fastest of ours over the fastest of these. A
-/// buffer of its own, however warm, is not the same peer: on 2 ranks sharing 2 cores the time of
-/// one 2.4 MiB collective moves by 1.5-5x with what the process did to its memory just before
-/// (the accumulation's 10,000 gradients pass through the caches first), which then shows up as
-/// our cost.
+/// buffer of its own, however warm, is not the same peer: the time of a collective depends on
+/// what the process did to its memory just before (the accumulation's 10,000 gradients pass
+/// through the caches first), and that difference would show up as our cost.
 class paired_raw {
  public:
   template <class B>
