@@ -2,6 +2,7 @@
 /// @brief dynamic_loss_scale.hpp: PyTorch GradScaler's growth and backoff, DeepSpeed's hysteresis,
 /// the floor and the F32 ceiling, resuming from a state, and every rejection leaving nothing made.
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -29,6 +30,27 @@ std::vector<double> scales_after(dynamic_loss_scale& scaler, std::initializer_li
   }
   return scales;
 }
+
+/// GradScaler's update (`torch._amp_update_scale_`, its CPU kernel; the CUDA one computes alike):
+/// the scale is a float, multiplied by a double factor, and the double product is stored back.
+struct grad_scaler {
+  float scale;
+  double growth_factor;
+  double backoff_factor;
+  int growth_interval;
+  int growth_tracker = 0;
+
+  void update(bool found_inf) {
+    if (found_inf) {
+      scale = static_cast<float>(scale * backoff_factor);
+      growth_tracker = 0;
+    } else if (++growth_tracker == growth_interval) {
+      const auto grown = static_cast<float>(scale * growth_factor);
+      if (std::isfinite(grown)) scale = grown;
+      growth_tracker = 0;
+    }
+  }
+};
 
 }  // namespace
 
@@ -102,6 +124,8 @@ TEST_CASE("options outside their ranges are invalid_scalar") {
   rejected({.hysteresis = 0});
   for (const double floor : {0.0, -1.0, nan, 1e-50}) rejected({.min_scale = floor});
   rejected({.init_scale = 0.5, .min_scale = 1.0});
+  rejected({.init_scale = 0.1});  // the scale is an F32: no value rounds silently
+  rejected({.min_scale = 0.1});
 }
 
 TEST_CASE("a state these options cannot reach is invalid_state") {
@@ -120,4 +144,62 @@ TEST_CASE("a state these options cannot reach is invalid_state") {
     GRADACCUM_CHECK_REJECTED((dynamic_loss_scale{options, state}), errc::invalid_state, "");
   }
   CHECK(dynamic_loss_scale(options, {1.0, 9, 2}).scale() == 1.0);  // the edges themselves are fine
+}
+
+TEST_CASE("any factors give GradScaler's F32 scale bit for bit") {
+  // Growth 1.5 for 100 windows, backing off by 0.3 at every seventh: a scale kept in F64
+  // drifts from GradScaler's from the first growth that rounds.
+  dynamic_loss_scale scaler({.init_scale = 65536.0, .growth_factor = 1.5, .backoff_factor = 0.3, .growth_interval = 1});
+  grad_scaler reference{65536.0F, 1.5, 0.3, 1};
+  double f64_scale = 65536.0;
+  int differs_from_f64 = 0;
+  for (int window = 1; window <= 100; ++window) {
+    const bool overflow = window % 7 == 0;
+    scaler.update(overflow);
+    reference.update(overflow);
+    f64_scale *= overflow ? 0.3 : 1.5;
+    INFO("window " << window);
+    CHECK(std::bit_cast<std::uint64_t>(scaler.scale()) ==
+          std::bit_cast<std::uint64_t>(static_cast<double>(reference.scale)));
+    differs_from_f64 += scaler.scale() != f64_scale ? 1 : 0;
+  }
+  CHECK(differs_from_f64 > 50);
+  CHECK(scaler.scale() == 0x1.fc3384p+41);  // the reference's scale after window 100
+
+  // The growth that is not finite as an F32 is skipped, as GradScaler skips it.
+  dynamic_loss_scale ceiling({.init_scale = 0x1.fffffep127, .growth_factor = 1.5, .growth_interval = 1});
+  CHECK(scales_after(ceiling, {false}) == std::vector<double>{0x1.fffffep127});
+}
+
+TEST_CASE("a state is checked against what the options reach") {
+  const auto rejected = [](const dynamic_loss_scale_options& options, double scale) {
+    INFO("scale " << scale);
+    GRADACCUM_CHECK_REJECTED((dynamic_loss_scale{options, {scale, 0, 1}}), errc::invalid_state, "");
+  };
+  SUBCASE("power-of-two factors: init_scale or min_scale times a power of two") {
+    rejected({}, 3.0);
+    rejected({}, 65536.0 * 1.5);
+    CHECK(dynamic_loss_scale({}, {0x1p-3, 0, 1}).scale() == 0x1p-3);
+    // Factors 4 and 1/4: only even powers, from 48 or from the floor 1 that 48 backs off to.
+    dynamic_loss_scale scaler({.init_scale = 48.0, .growth_factor = 4.0, .backoff_factor = 0.25, .min_scale = 1.0});
+    CHECK(scales_after(scaler, {true, true, true}) == std::vector<double>{12, 3, 1});
+    const dynamic_loss_scale_options quarter = scaler.options();
+    for (const double scale : {3.0, 12.0, 192.0, 1.0, 4.0, 16.0}) {
+      CHECK(dynamic_loss_scale(quarter, {scale, 0, 1}).scale() == scale);
+    }
+    for (const double scale : {6.0, 24.0, 2.0, 8.0, 5.0}) rejected(quarter, scale);
+  }
+  SUBCASE("a run with growth factor 3 does not resume under the defaults") {
+    dynamic_loss_scale run({.growth_factor = 3.0, .growth_interval = 2});
+    static_cast<void>(scales_after(run, {false, false, true}));
+    CHECK(run.scale() == 98304.0);
+    GRADACCUM_CHECK_REJECTED((dynamic_loss_scale{{.growth_interval = 2}, run.state()}), errc::invalid_state, "");
+    CHECK(dynamic_loss_scale(run.options(), run.state()).state() == run.state());
+  }
+  SUBCASE("any factors: an F32 value") {
+    const dynamic_loss_scale_options options{.growth_factor = 1.5, .backoff_factor = 0.3};
+    rejected(options, 0.1);
+    rejected(options, 65536.0 + 0x1p-20);
+    CHECK(dynamic_loss_scale(options, {0x1.99999ap-4, 0, 1}).scale() == 0x1.99999ap-4);  // 0.1 as an F32
+  }
 }

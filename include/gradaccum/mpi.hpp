@@ -14,14 +14,23 @@
 /// `global_norm` / `clip_by_global_norm` of the whole window from the shards and
 /// `allgather_shards` to share the updated parameters afterwards.
 ///
+/// Every call is collective, and each begins with one small agreement collective in which every
+/// rank tells what it called with what (and whether its own checks failed), before any other
+/// collective: ranks that disagree, or a rank whose arguments are rejected, make every rank throw
+/// an error of the same code, and no rank is left waiting in a collective its peers never enter.
+/// When several ranks reject their arguments, every rank throws the code of the lowest such rank.
+///
 /// Optional: include it next to `<gradaccum/gradaccum.hpp>` and link `gradaccum-mpi` (the Meson
 /// feature `mpi`); the umbrella header never includes it. Every rank must use the same backend
 /// and pass the same parameter set (same ids, shapes and order).
 
+#include <bit>
 #include <climits>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -72,13 +81,14 @@ enum class shard_reduction {
 /// sums, so every rank gets the same bits (see the implementation notes below).
 ///
 /// @throws error(errc::invalid_state) when ranks disagree on the work dtype or the loss scale, or
-/// when a rank's sums are malformed; error(errc::parameter_mismatch) when ranks pass different
-/// parameter sets; error(errc::empty_weight) when the total weight over all ranks is zero;
+/// call different collectives of this header, or when a rank's sums are malformed; error(errc::parameter_mismatch) when
+/// ranks pass different parameter sets; error(errc::empty_weight) when the total weight over all ranks is zero;
 /// error(errc::invalid_weight) or error(errc::counter_overflow) when the summed weights or counts
 /// do not fit. A rank whose own sums are rejected throws its own error (also
 /// error(errc::unknown_parameters) or error(errc::parameter_mismatch) for a pending gradient that
-/// is no parameter of `params`); its peers throw the same code naming that rank. Every rank
-/// throws alike, and `sums` is moved from only on success.
+/// is no parameter of `params`); its peers throw the same code naming that rank. When several
+/// ranks' sums are rejected, the lowest of them throws its own error and every other rank that
+/// rank's code. Every rank throws alike, and `sums` is moved from only on success.
 ///
 /// Values are summed in buckets of `bucket_bytes` (at least one element, at most `INT_MAX`);
 /// every rank must pass the same, else error(errc::invalid_state) on every rank. The buckets are
@@ -187,8 +197,14 @@ template <class B>
 /// 1/512 of an F32 window's bytes) gives every rank every block's sum, and every rank adds them in
 /// block order, as `global_norm` of the full result does.
 ///
-/// Collective over the communicator the shard was reduced on.
-/// @throws error(errc::invalid_state) when `shard` was not cut for `comm`'s size and rank.
+/// Collective over the communicator the shard was reduced on; every rank passes its shard of the
+/// same reduction. An agreement step comes first (see the file comment), so every error is
+/// thrown by every rank alike, with the same code, and nothing changes.
+/// @throws error(errc::invalid_state) when some rank's `shard` was not cut for its place in
+/// `comm` (its size and rank), when ranks pass shards of different work dtypes or of different
+/// reductions (every reduction is numbered alike on its ranks, and differently from every other
+/// reduction any of them took part in), or when ranks make different calls (one `global_norm`,
+/// another `clip_by_global_norm`, `allgather_shards` or a reduction).
 template <class B>
 [[nodiscard]] double global_norm(const sharded_gradients<B>& shard, MPI_Comm comm);
 
@@ -196,9 +212,9 @@ template <class B>
 /// `global_norm(shard, comm)` and the coefficient of `clip_by_global_norm`, so a shard equal to its
 /// range of the full result stays equal to it clipped. Returns the norm before clipping; a
 /// non-finite norm leaves the values as they were.
-/// @throws error(errc::invalid_scalar) for a negative or NaN `max_norm` (after the collective, so
-/// a rank that passes one does not leave its peers waiting; nothing changes);
-/// error(errc::invalid_state) as `global_norm`.
+/// @throws error(errc::invalid_scalar) on every rank when some rank's `max_norm` is negative or
+/// NaN; error(errc::invalid_state) when ranks pass different `max_norm`s (bit for bit), or as
+/// `global_norm`. Nothing changes on any rank on error.
 template <class B>
 double clip_by_global_norm(sharded_gradients<B>& shard, double max_norm, MPI_Comm comm);
 
@@ -207,10 +223,12 @@ double clip_by_global_norm(sharded_gradients<B>& shard, double max_norm, MPI_Com
 /// offset), this rank has written elements [range().begin, range().begin + range().stored) of it,
 /// and on return every rank holds every rank's part (one in-place `MPI_Allgatherv`).
 ///
-/// Collective over the communicator the shard was reduced on.
-/// @throws error(errc::parameter_mismatch) when `flat_parameters` has another size than the
-/// layout or more elements than MPI's `int` counts; error(errc::invalid_state) as `global_norm`.
-/// Nothing changes on error.
+/// Collective over the communicator the shard was reduced on, with the agreement step of
+/// `global_norm`: every error is thrown by every rank alike.
+/// @throws error(errc::parameter_mismatch) on every rank when some rank's `flat_parameters` has
+/// another size than the layout or more elements than MPI's `int` counts;
+/// error(errc::invalid_state) when ranks pass buffers of different element types, or as
+/// `global_norm`. Nothing changes on any rank on error.
 template <class W, class B>
   requires(std::is_same_v<W, float> || std::is_same_v<W, double>)
 void allgather_shards(const sharded_gradients<B>& shard, std::span<W> flat_parameters, MPI_Comm comm);
@@ -410,17 +428,71 @@ inline comm_place place_in(MPI_Comm comm) {
   return place;
 }
 
-/// The shard's place in `comm`, checked against the shard's own range.
-template <class B>
-comm_place shard_place(const sharded_gradients<B>& shard, MPI_Comm comm) {
+/// What a call on a shard must agree on besides the shard.
+struct shard_call {
+  value_collectives call;
+  std::uint64_t values_dtype = 0;  // allgather_shards: its buffer's float_dtype
+  double max_norm = 0.0;           // clip_by_global_norm
+};
+
+/// The agreement step of the collectives on a shard, as `agree` is the reductions': this rank
+/// checks that its shard was cut for its place in `comm`, then `prepare(place)` checks the other
+/// arguments and allocates what the collectives need; a failure there is not thrown yet but
+/// travels with the agreement, so every rank throws its code. So do ranks in different calls,
+/// with shards of different reductions or work dtypes, or with different arguments.
+template <class B, class Prepare>
+comm_place agree_on_shard(const sharded_gradients<B>& shard, MPI_Comm comm, const shard_call& call, Prepare&& prepare) {
   const comm_place place = place_in(comm);
   const std::size_t elements = shard.layout() != nullptr ? shard.layout()->elements() : 0;
-  if (shard.range() !=
-      shard_of(elements, static_cast<std::size_t>(place.rank), static_cast<std::size_t>(place.ranks))) {
-    fail(errc::invalid_state,
-         "this shard was not cut for rank " + std::to_string(place.rank) + " of " + std::to_string(place.ranks) + ".");
+  std::exception_ptr local_failure;
+  errc local_code = errc::invalid_state;
+  try {
+    if (shard.range() !=
+        shard_of(elements, static_cast<std::size_t>(place.rank), static_cast<std::size_t>(place.ranks))) {
+      fail(errc::invalid_state, "this shard was not cut for rank " + std::to_string(place.rank) + " of " +
+                                    std::to_string(place.ranks) + ".");
+    }
+    prepare(place);
+  } catch (const error& e) {
+    local_failure = std::current_exception();
+    local_code = e.code();
+  } catch (...) {
+    local_failure = std::current_exception();
   }
+  agreement agreed;
+  agreed.collectives = word_range::of(static_cast<std::uint64_t>(call.call));
+  agreed.dtype = word_range::of(static_cast<std::uint64_t>(shard.dtype()));
+  agreed.window = word_range::of(shard_access::reduction(shard));
+  agreed.elements = word_range::of(elements);
+  agreed.values_dtype = word_range::of(call.values_dtype);
+  agreed.max_norm = word_range::of(std::bit_cast<std::uint64_t>(call.max_norm));
+  agree_on(agreed, place.rank, local_failure, local_code, comm);
   return place;
+}
+
+/// `global_norm(shard, comm)`, or the norm of `clip_by_global_norm` (which also checks max_norm).
+template <class B>
+double sharded_norm(const sharded_gradients<B>& shard, MPI_Comm comm, const shard_call& call) {
+  std::size_t blocks = 0;
+  std::vector<double> block_sums;
+  const comm_place place = agree_on_shard(shard, comm, call, [&](const comm_place& at) {
+    if (call.call == value_collectives::shard_clip) check_max_norm(call.max_norm);
+    blocks = shard.range().size / norm_block_elements;
+    block_sums.resize(blocks * static_cast<std::size_t>(at.ranks));
+  });
+  visit_work_dtype(shard.dtype(), [&]<class W>() {
+    const std::span<const W> values = shard.template values<W>();
+    double* const mine = block_sums.data() + static_cast<std::size_t>(place.rank) * blocks;
+    for (std::size_t b = 0; b < blocks; ++b) {
+      mine[b] = kernels::sum_of_squares(values.data() + b * norm_block_elements, norm_block_elements);
+    }
+  });
+  check(
+      MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, block_sums.data(), static_cast<int>(blocks), MPI_DOUBLE, comm),
+      "MPI_Allgather");
+  double total = 0.0;
+  for (const double block_sum : block_sums) total += block_sum;
+  return std::sqrt(total);
 }
 
 /// Storage for a shard: the last one this thread handed out when its result is gone (as an
@@ -469,14 +541,15 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
     pieces.reserve(params.size());  // a segment meets a shard in one run at most
   };
   // The shard's values, its state and the flags of the window they were cut from.
-  const auto cut = [&](const flat_gradients<B>& window, const weighted_accumulation_state& state,
-                       bool found_non_finite) {
+  const auto cut = [&](const flat_gradients<B>& window, const weighted_accumulation_state& state, bool found_non_finite,
+                       std::uint64_t reduction) {
     const detail::flat_storage& full = *detail::flat_access::storage(window);
     std::copy(full.present.begin(), full.present.end(), shard->present.begin());
     shard->present_count = full.present_count;
     const auto& layout = detail::flat_access::layout(window);
     detail::shard_access::pieces_in(*layout, shard->present, range, pieces);
-    return detail::shard_access::make(layout, std::move(shard), std::move(pieces), state, range, found_non_finite);
+    return detail::shard_access::make(layout, std::move(shard), std::move(pieces), state, range, found_non_finite,
+                                      reduction);
   };
 
   if (how == shard_reduction::same_as_allreduce) {
@@ -484,12 +557,13 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
     allreduce_mean_request<B> request(params, sums, comm, bucket_bytes,
                                       detail::mpi::value_collectives::allreduce_then_shard, reserve);
     const bool found_non_finite = request.window_.found_non_finite;
+    const std::uint64_t reduction = request.window_.number;
     const accumulated_gradients<B> reduced = request.wait();
     detail::visit_work_dtype(reduced.state.dtype, [&]<class W>() {
       const std::span<const W> all = reduced.gradients.template flat<W>();
       std::copy_n(all.data() + range.begin, range.stored, shard->template data<W>());
     });
-    return cut(reduced.gradients, reduced.state, found_non_finite);
+    return cut(reduced.gradients, reduced.state, found_non_finite, reduction);
   }
 
   detail::mpi::agreed_window<B> window =
@@ -502,33 +576,17 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
     detail::mpi::normalize(shard->template data<W>(), range.stored, static_cast<W>(window.state.loss_scale),
                            static_cast<W>(window.state.total_weight));
   });
-  return cut(window.gradients, window.state, window.found_non_finite);
+  return cut(window.gradients, window.state, window.found_non_finite, window.number);
 }
 
 template <class B>
 double global_norm(const sharded_gradients<B>& shard, MPI_Comm comm) {
-  const detail::mpi::comm_place place = detail::mpi::shard_place(shard, comm);
-  const std::size_t blocks = shard.range().size / norm_block_elements;
-  std::vector<double> block_sums(blocks * static_cast<std::size_t>(place.ranks));
-  detail::visit_work_dtype(shard.dtype(), [&]<class W>() {
-    const std::span<const W> values = shard.template values<W>();
-    double* const mine = block_sums.data() + static_cast<std::size_t>(place.rank) * blocks;
-    for (std::size_t b = 0; b < blocks; ++b) {
-      mine[b] = kernels::sum_of_squares(values.data() + b * norm_block_elements, norm_block_elements);
-    }
-  });
-  detail::mpi::check(
-      MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, block_sums.data(), static_cast<int>(blocks), MPI_DOUBLE, comm),
-      "MPI_Allgather");
-  double total = 0.0;
-  for (const double block_sum : block_sums) total += block_sum;
-  return std::sqrt(total);
+  return detail::mpi::sharded_norm(shard, comm, {detail::mpi::value_collectives::shard_global_norm});
 }
 
 template <class B>
 double clip_by_global_norm(sharded_gradients<B>& shard, double max_norm, MPI_Comm comm) {
-  const double norm = global_norm(shard, comm);
-  detail::check_max_norm(max_norm);
+  const double norm = detail::mpi::sharded_norm(shard, comm, {detail::mpi::value_collectives::shard_clip, 0, max_norm});
   if (std::isfinite(norm)) {
     detail::visit_work_dtype(shard.dtype(),
                              [&]<class W>() { detail::clip_values(shard.template values<W>(), norm, max_norm); });
@@ -539,22 +597,27 @@ double clip_by_global_norm(sharded_gradients<B>& shard, double max_norm, MPI_Com
 template <class W, class B>
   requires(std::is_same_v<W, float> || std::is_same_v<W, double>)
 void allgather_shards(const sharded_gradients<B>& shard, std::span<W> flat_parameters, MPI_Comm comm) {
-  const detail::mpi::comm_place place = detail::mpi::shard_place(shard, comm);
   const std::size_t elements = shard.layout() != nullptr ? shard.layout()->elements() : 0;
-  if (flat_parameters.size() != elements) {
-    detail::fail(errc::parameter_mismatch, "a flat parameter buffer of " + std::to_string(flat_parameters.size()) +
-                                               " elements does not fit the window's layout of " +
-                                               std::to_string(elements) + ".");
-  }
-  detail::mpi::int_count(elements, "a flat parameter buffer");
-  const auto ranks = static_cast<std::size_t>(place.ranks);
-  std::vector<int> counts(ranks);
-  std::vector<int> offsets(ranks);
-  for (std::size_t r = 0; r < ranks; ++r) {
-    const shard_range range = shard_of(elements, r, ranks);
-    counts[r] = static_cast<int>(range.stored);
-    offsets[r] = static_cast<int>(range.stored != 0 ? range.begin : 0);
-  }
+  std::vector<int> counts;
+  std::vector<int> offsets;
+  const detail::mpi::shard_call call{detail::mpi::value_collectives::shard_allgather,
+                                     static_cast<std::uint64_t>(dtype_of<W>)};
+  detail::mpi::agree_on_shard(shard, comm, call, [&](const detail::mpi::comm_place& place) {
+    if (flat_parameters.size() != elements) {
+      detail::fail(errc::parameter_mismatch, "a flat parameter buffer of " + std::to_string(flat_parameters.size()) +
+                                                 " elements does not fit the window's layout of " +
+                                                 std::to_string(elements) + ".");
+    }
+    detail::mpi::int_count(elements, "a flat parameter buffer");
+    const auto ranks = static_cast<std::size_t>(place.ranks);
+    counts.resize(ranks);
+    offsets.resize(ranks);
+    for (std::size_t r = 0; r < ranks; ++r) {
+      const shard_range range = shard_of(elements, r, ranks);
+      counts[r] = static_cast<int>(range.stored);
+      offsets[r] = static_cast<int>(range.stored != 0 ? range.begin : 0);
+    }
+  });
   detail::mpi::check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, flat_parameters.data(), counts.data(),
                                     offsets.data(), detail::mpi::datatype<W>(), comm),
                      "MPI_Allgatherv");

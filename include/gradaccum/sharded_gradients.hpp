@@ -116,6 +116,9 @@ class sharded_gradients {
   weighted_accumulation_state state_;
   shard_range range_;
   bool found_non_finite_ = false;
+  // Which reduction cut it: the same on every rank, so the collectives on shards can tell that
+  // ranks passed shards of different reductions (0: none).
+  std::uint64_t reduction_ = 0;
 };
 
 namespace detail {
@@ -127,7 +130,7 @@ struct shard_access {
                                                  const std::shared_ptr<flat_storage>& storage,
                                                  const std::vector<shard_piece>& pieces,
                                                  const weighted_accumulation_state& state, const shard_range& range,
-                                                 bool found_non_finite) noexcept {
+                                                 bool found_non_finite, std::uint64_t reduction) noexcept {
     sharded_gradients<B> shard;
     shard.layout_ = std::move(layout);
     shard.storage_ = storage;
@@ -135,7 +138,13 @@ struct shard_access {
     shard.state_ = state;
     shard.range_ = range;
     shard.found_non_finite_ = found_non_finite;
+    shard.reduction_ = reduction;
     return shard;
+  }
+
+  template <class B>
+  [[nodiscard]] static std::uint64_t reduction(const sharded_gradients<B>& shard) noexcept {
+    return shard.reduction_;
   }
 
   /// The present parameters' parts in `range`, in parameter order.

@@ -417,6 +417,22 @@ TEST_CASE_TEMPLATE("one rank's malformed sums are its own error there and the sa
     check_rejected_unchanged(
         sums, [&] { return reduce(sums); }, errc::invalid_state);
   }
+  SUBCASE("two ranks failing for different reasons: the first one's code everywhere") {
+    if (world_size > 1) {
+      // Rank 0's state is invalid; the last rank's sums hold a gradient of no parameter.
+      auto specs = model();
+      specs.push_back({"ghost", {2, 1}});
+      const auto haunted = parameters<B>(specs);
+      gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, loss_scale);
+      gradaccum::gradients_params<B> grads = gradients_of<B>(0, float_dtype::f32);
+      if (world_rank == world_size - 1) grads.insert("ghost", gradient<B, float>(0, specs.back()));
+      window.accumulate_sum(haunted, grads, 7.0);
+      auto sums = window.finish_sums();
+      if (culprit) sums.state.loss_scale = -1.0;
+      check_rejected_unchanged(
+          sums, [&] { return reduce(sums); }, errc::invalid_state);
+    }
+  }
   check_ranks_still_agree(params);
 }
 

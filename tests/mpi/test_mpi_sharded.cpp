@@ -313,7 +313,7 @@ TEST_CASE_TEMPLATE("allgather_shards gives every rank every rank's updated part"
   });
 }
 
-TEST_CASE_TEMPLATE("a shard used with another communicator's size is invalid_state, before any collective", B,
+TEST_CASE_TEMPLATE("a shard used with another communicator's size is invalid_state, and no peer waits for it", B,
                    BACKENDS) {
   INFO("rank " << world_rank << " of " << world_size);
   if (world_size == 1) return;  // MPI_COMM_SELF has the world's size
@@ -392,5 +392,137 @@ TEST_CASE_TEMPLATE("reduce_scatter_mean rejects as allreduce_mean does, on every
       }
     }
   }
+  check_ranks_still_agree(params);
+}
+
+namespace {
+
+/// The shard's values, whatever its dtype (F32 values are exact as doubles).
+template <class B>
+std::vector<double> values_of(const gradaccum::sharded_gradients<B>& shard) {
+  std::vector<double> values(shard.template values<double>().begin(), shard.template values<double>().end());
+  for (const float v : shard.template values<float>()) values.push_back(v);
+  return values;
+}
+
+/// Checks that the sharded norm and clipping of `mine` (clipped to `max_norm`) both throw `code` on
+/// this rank and leave the shard's values as they were.
+template <class B>
+void check_norms_rejected(gradaccum::sharded_gradients<B>& mine, errc code, double max_norm = 1.0) {
+  const std::vector<double> before = values_of(mine);
+  GRADACCUM_CHECK_REJECTED(gradaccum::global_norm(mine, MPI_COMM_WORLD), code, "");
+  GRADACCUM_CHECK_REJECTED(gradaccum::clip_by_global_norm(mine, max_norm, MPI_COMM_WORLD), code, "");
+  CHECK(values_of(mine) == before);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("allgather_shards: one rank's wrong buffer is an error on every rank, and no buffer changes", B,
+                   BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  const auto params = parameters<B>();
+  const auto shard = gradaccum::reduce_scatter_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+  const std::size_t elements = shard.layout()->elements();
+  const bool culprit = world_rank == world_size - 1;
+  std::vector<float> floats(culprit ? elements + 1 : elements, 7.0F);
+  std::vector<double> doubles(elements, 7.0);
+  SUBCASE("a buffer of another size") {
+    GRADACCUM_CHECK_REJECTED(gradaccum::allgather_shards(shard, std::span<float>(floats), MPI_COMM_WORLD),
+                             errc::parameter_mismatch, "");
+  }
+  SUBCASE("a buffer of another element type") {
+    if (world_size > 1) {
+      floats.resize(elements);
+      const auto gather = [&] {
+        if (culprit) return gradaccum::allgather_shards(shard, std::span<double>(doubles), MPI_COMM_WORLD);
+        return gradaccum::allgather_shards(shard, std::span<float>(floats), MPI_COMM_WORLD);
+      };
+      GRADACCUM_CHECK_REJECTED(gather(), errc::invalid_state, "");
+    }
+  }
+  CHECK(std::all_of(floats.begin(), floats.end(), [](float v) { return v == 7.0F; }));
+  CHECK(std::all_of(doubles.begin(), doubles.end(), [](double v) { return v == 7.0; }));
+  check_ranks_still_agree(params);
+}
+
+TEST_CASE_TEMPLATE("the sharded norm and clipping: ranks passing other shards or calls fail alike, and nothing changes",
+                   B, BACKENDS) {
+  INFO("rank " << world_rank << " of " << world_size);
+  if (world_size == 1) return;  // one rank always agrees with itself
+  const auto params = parameters<B>();
+  const bool culprit = world_rank == world_size - 1;
+  auto mine = gradaccum::reduce_scatter_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+  auto other = gradaccum::reduce_scatter_mean(params, rounding_sums<B, float>(params), MPI_COMM_WORLD);
+  auto wide = gradaccum::reduce_scatter_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD);
+  const std::vector<parameter_spec> small_specs{{"a", {3, 1}}, {"b", {4, 5}}};
+  const auto small_params = parameters<B>(small_specs);
+  gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  gradaccum::gradients_params<B> grads;
+  grads.insert("b", gradient<B, float>(1, small_specs[1]));
+  window.accumulate_sum(small_params, grads, 1.0);
+  auto small = gradaccum::reduce_scatter_mean(small_params, window.finish_sums(), MPI_COMM_WORLD);
+  const double norm = gradaccum::global_norm(mine, MPI_COMM_WORLD);
+
+  SUBCASE("a shard of another reduction of the same parameter set") {
+    check_norms_rejected(culprit ? other : mine, errc::invalid_state);
+  }
+  SUBCASE("a shard of a window of another size") {
+    check_norms_rejected(culprit ? small : mine, errc::invalid_state);
+  }
+  SUBCASE("a shard of another work dtype") {
+    check_norms_rejected(culprit ? wide : mine, errc::invalid_state);
+  }
+  SUBCASE("another max_norm") {
+    const std::vector<double> before = values_of(mine);
+    GRADACCUM_CHECK_REJECTED(gradaccum::clip_by_global_norm(mine, culprit ? norm / 2 : norm / 3, MPI_COMM_WORLD),
+                             errc::invalid_state, "");
+    CHECK(values_of(mine) == before);
+  }
+  SUBCASE("an invalid max_norm on one rank") {
+    const std::vector<double> before = values_of(mine);
+    GRADACCUM_CHECK_REJECTED(gradaccum::clip_by_global_norm(mine, culprit ? -1.0 : 1.0, MPI_COMM_WORLD),
+                             errc::invalid_scalar, "");
+    CHECK(values_of(mine) == before);
+  }
+  SUBCASE("two ranks failing for different reasons: the first one's error everywhere") {
+    // Rank 0's max_norm is invalid; the last rank's shard was cut for one rank only.
+    auto self = gradaccum::reduce_scatter_mean(params, rounding_sums<B, float>(params), MPI_COMM_SELF);
+    const std::vector<double> before = values_of(mine);
+    GRADACCUM_CHECK_REJECTED(
+        gradaccum::clip_by_global_norm(culprit ? self : mine, world_rank == 0 ? -1.0 : 1.0, MPI_COMM_WORLD),
+        errc::invalid_scalar, "");
+    CHECK(values_of(mine) == before);
+  }
+  SUBCASE("different calls") {
+    const std::vector<double> before = values_of(mine);
+    std::vector<float> parameters(mine.layout()->elements(), 7.0F);
+    SUBCASE("global_norm against clip_by_global_norm") {
+      const auto call = [&] {
+        if (culprit) return gradaccum::global_norm(mine, MPI_COMM_WORLD);
+        return gradaccum::clip_by_global_norm(mine, norm / 3, MPI_COMM_WORLD);
+      };
+      GRADACCUM_CHECK_REJECTED(call(), errc::invalid_state, "");
+    }
+    SUBCASE("global_norm against allgather_shards") {
+      const auto call = [&] {
+        if (culprit) return gradaccum::global_norm(mine, MPI_COMM_WORLD);
+        gradaccum::allgather_shards(mine, std::span<float>(parameters), MPI_COMM_WORLD);
+        return 0.0;
+      };
+      GRADACCUM_CHECK_REJECTED(call(), errc::invalid_state, "");
+    }
+    SUBCASE("global_norm against allreduce_mean") {
+      auto sums = local_sums(params, float_dtype::f32);
+      const auto call = [&] {
+        if (culprit) return gradaccum::global_norm(mine, MPI_COMM_WORLD);
+        return static_cast<double>(gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD).gradients.size());
+      };
+      check_rejected_unchanged(sums, call, errc::invalid_state);
+    }
+    CHECK(values_of(mine) == before);
+    CHECK(std::all_of(parameters.begin(), parameters.end(), [](float v) { return v == 7.0F; }));
+  }
+  // The ranks are still in step: the same shards give the same norm as before.
+  CHECK(gradaccum::global_norm(mine, MPI_COMM_WORLD) == norm);
   check_ranks_still_agree(params);
 }

@@ -4,6 +4,7 @@
 /// values are reduced in, and the bucketed collectives over it. Include `<gradaccum/mpi.hpp>`.
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <climits>
 #include <cmath>
@@ -71,26 +72,48 @@ struct word_range {
 
 inline constexpr std::uint64_t no_failure = std::numeric_limits<std::uint64_t>::max();
 
-/// Which value collectives follow an agreement: ranks must make the same calls, so a rank in
-/// `allreduce_mean` and another in `start_allreduce_mean` or `reduce_scatter_mean` is an error on
-/// every rank instead of two different collectives.
+/// Which call the collectives after an agreement belong to: every collective the library makes
+/// follows an agreement, and ranks in different calls (`allreduce_mean` on one, `global_norm` of
+/// a shard on another) then throw the same error instead of entering different collectives.
 enum class value_collectives : std::uint64_t {
-  allreduce = 1,        // allreduce_mean
-  started_allreduce,    // start_allreduce_mean
-  reduce_scatter,       // reduce_scatter_mean, shard_reduction::reduce_scatter
-  allreduce_then_shard  // reduce_scatter_mean, shard_reduction::same_as_allreduce
+  allreduce = 1,         // allreduce_mean
+  started_allreduce,     // start_allreduce_mean
+  reduce_scatter,        // reduce_scatter_mean, shard_reduction::reduce_scatter
+  allreduce_then_shard,  // reduce_scatter_mean, shard_reduction::same_as_allreduce
+  shard_global_norm,     // global_norm(shard, comm)
+  shard_clip,            // clip_by_global_norm(shard, max_norm, comm)
+  shard_allgather,       // allgather_shards
 };
 
+inline const char* call_name(std::uint64_t collectives) noexcept {
+  switch (static_cast<value_collectives>(collectives)) {
+    case value_collectives::allreduce: return "allreduce_mean";
+    case value_collectives::started_allreduce: return "start_allreduce_mean";
+    case value_collectives::reduce_scatter: return "reduce_scatter_mean with shard_reduction::reduce_scatter";
+    case value_collectives::allreduce_then_shard: return "reduce_scatter_mean with shard_reduction::same_as_allreduce";
+    case value_collectives::shard_global_norm: return "global_norm of a shard";
+    case value_collectives::shard_clip: return "clip_by_global_norm of a shard";
+    case value_collectives::shard_allgather: return "allgather_shards";
+  }
+  return "an unknown call";
+}
+
 /// What every rank contributes to the agreement step; combined field by field by one
-/// user-defined reduction so the whole step is one small collective.
+/// user-defined reduction so the whole step is one small collective. The calls on a shard use
+/// `collectives`, `dtype`, `window`, `elements`, `values_dtype` and `max_norm`; the reductions
+/// the others (and `window`, to number the reduction).
 struct agreement {
   std::uint64_t first_failure = no_failure;  // min over ranks of (rank << 8 | errc)
   word_range layout;                         // fingerprint of the parameter set
   word_range dtype;
-  word_range loss_scale;   // bit pattern of the double
-  word_range present;      // how many parameters have a gradient
-  word_range bucket;       // bytes per bucket of the value collectives (0 where there are none)
-  word_range collectives;  // value_collectives
+  word_range loss_scale;    // bit pattern of the double
+  word_range present;       // how many parameters have a gradient
+  word_range bucket;        // bytes per bucket of the value collectives (0 where there are none)
+  word_range collectives;   // value_collectives
+  word_range window;        // a shard's reduction; in a reduction, the last reduction's number
+  word_range elements;      // the elements of a shard's window
+  word_range values_dtype;  // of allgather_shards' buffer
+  word_range max_norm;      // bit pattern of clip_by_global_norm's max_norm
   double total_weight = 0.0;
   std::uint64_t microbatches = 0;  // saturating sum: saturation means overflow
   std::uint64_t non_finite = 0;    // 1 when some rank's sums hold a NaN or an infinity (if checked)
@@ -104,6 +127,10 @@ struct agreement {
     present.combine(other.present);
     bucket.combine(other.bucket);
     collectives.combine(other.collectives);
+    window.combine(other.window);
+    elements.combine(other.elements);
+    values_dtype.combine(other.values_dtype);
+    max_norm.combine(other.max_norm);
     total_weight += other.total_weight;
     microbatches = other.microbatches > std::numeric_limits<std::uint64_t>::max() - microbatches
                        ? std::numeric_limits<std::uint64_t>::max()
@@ -254,7 +281,20 @@ struct agreed_window {
   std::size_t begin = 0;  // elements [begin, end) hold every present segment: the ones reduced
   std::size_t end = 0;
   bool found_non_finite = false;  // some rank's sums held a NaN or an infinity (when checked)
+  std::uint64_t number = 0;       // the reduction's number (`last_reduction`)
 };
+
+/// The largest number of a reduction this process took part in. A reduction's number is one more
+/// than the largest of its ranks', so it is the same on all of its ranks and larger than that of
+/// every reduction any of them took part in before: two shards of different reductions over one
+/// communicator never carry the same number.
+inline std::atomic<std::uint64_t> last_reduction{0};
+
+inline void note_reduction(std::uint64_t number) noexcept {
+  std::uint64_t last = last_reduction.load();
+  while (last < number && !last_reduction.compare_exchange_weak(last, number)) {
+  }
+}
 
 /// This rank's buffer for the reduction, found or made before the agreement so that nothing
 /// after it can fail: the sums' own when laid out for `params`, else their values copied into a
@@ -316,12 +356,45 @@ struct local_window {
   }
 };
 
-/// Every rank evaluates the same agreed words in the same order, so every rank throws the same.
-inline void check_agreement(const agreement& agreed) {
+/// Throws what the agreement found, the same code on every rank: every rank evaluates the same
+/// agreed words in the same order. A failed local check is thrown by the rank that failed first
+/// with its own message; every other rank, failed or not, throws its code.
+inline void check_agreement(const agreement& agreed, int rank, const std::exception_ptr& local_failure) {
   if (agreed.first_failure != no_failure) {
+    if (local_failure && agreed.first_failure >> 8 == static_cast<std::uint64_t>(rank)) {
+      std::rethrow_exception(local_failure);
+    }
     const auto code = static_cast<errc>(agreed.first_failure & 0xffU);
-    fail(code, "rank " + std::to_string(agreed.first_failure >> 8) + " rejected its accumulated sums (" +
-                   make_error_code(code).message() + "); nothing was reduced.");
+    fail(code, "rank " + std::to_string(agreed.first_failure >> 8) + " rejected its arguments (" +
+                   make_error_code(code).message() + "); nothing was done.");
+  }
+  if (!agreed.collectives.agreed()) {
+    fail(errc::invalid_state, std::string("ranks called different collectives (") +
+                                  call_name(agreed.collectives.min()) + " and " + call_name(agreed.collectives.max) +
+                                  "); nothing was done.");
+  }
+  if (agreed.collectives.max >= static_cast<std::uint64_t>(value_collectives::shard_global_norm)) {
+    if (!agreed.dtype.agreed()) {
+      fail(errc::invalid_state, "ranks passed shards of different work dtypes (" +
+                                    std::string(to_string(static_cast<float_dtype>(agreed.dtype.min()))) + " and " +
+                                    std::string(to_string(static_cast<float_dtype>(agreed.dtype.max))) +
+                                    "); nothing was done.");
+    }
+    if (!agreed.window.agreed() || !agreed.elements.agreed()) {
+      fail(errc::invalid_state, "ranks passed shards of different reductions; nothing was done.");
+    }
+    if (!agreed.values_dtype.agreed()) {
+      fail(errc::invalid_state,
+           "ranks passed flat parameter buffers of different element types (" +
+               std::string(to_string(static_cast<float_dtype>(agreed.values_dtype.min()))) + " and " +
+               std::string(to_string(static_cast<float_dtype>(agreed.values_dtype.max))) + "); nothing was done.");
+    }
+    if (!agreed.max_norm.agreed()) {
+      fail(errc::invalid_state, "ranks passed different max_norm values (" +
+                                    number_text(std::bit_cast<double>(agreed.max_norm.min())) + " and " +
+                                    number_text(std::bit_cast<double>(agreed.max_norm.max)) + "); nothing was done.");
+    }
+    return;
   }
   if (!agreed.layout.agreed()) {
     fail(errc::parameter_mismatch,
@@ -332,11 +405,6 @@ inline void check_agreement(const agreement& agreed) {
                                   std::string(to_string(static_cast<float_dtype>(agreed.dtype.min()))) + " and " +
                                   std::string(to_string(static_cast<float_dtype>(agreed.dtype.max))) +
                                   "); nothing was reduced.");
-  }
-  if (!agreed.collectives.agreed()) {
-    fail(errc::invalid_state,
-         "ranks called different reductions (allreduce_mean, start_allreduce_mean or reduce_scatter_mean with "
-         "another shard_reduction); nothing was reduced.");
   }
   if (!agreed.bucket.agreed()) {
     fail(errc::invalid_state, "ranks asked for different bucket sizes (" + std::to_string(agreed.bucket.min()) +
@@ -359,6 +427,15 @@ inline void check_agreement(const agreement& agreed) {
     fail(errc::empty_weight,
          "cannot normalize accumulation windows whose total weight over all ranks is zero; nothing was reduced.");
   }
+}
+
+/// One agreement collective over `comm`, then its checks (`check_agreement`).
+inline void agree_on(agreement& agreed, int rank, const std::exception_ptr& local_failure, errc local_code,
+                     MPI_Comm comm) {
+  if (local_failure) agreed.first_failure = static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(local_code);
+  const library_handles& handles = library_handles::get();
+  check(MPI_Allreduce(MPI_IN_PLACE, &agreed, 1, handles.type, handles.op, comm), "MPI_Allreduce");
+  check_agreement(agreed, rank, local_failure);
 }
 
 /// The agreement step of every entry point: checks this rank's sums, agrees with the other ranks
@@ -390,15 +467,15 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
     local_failure = std::current_exception();
   }
 
-  // 2. One small collective: failures, parameter sets, dtypes, loss scales, weights, counts.
+  // 2. One small collective: failures, calls, parameter sets, dtypes, loss scales, weights, counts.
   agreement agreed;
-  if (local_failure) agreed.first_failure = static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(local_code);
   agreed.layout = word_range::of(layout_fingerprint(params));
   agreed.dtype = word_range::of(static_cast<std::uint64_t>(sums.state.dtype));
   agreed.loss_scale = word_range::of(std::bit_cast<std::uint64_t>(sums.state.loss_scale));
   agreed.present = word_range::of(sums.gradients.size());
   agreed.bucket = word_range::of(bucket_bytes);
   agreed.collectives = word_range::of(static_cast<std::uint64_t>(collectives));
+  agreed.window = word_range::of(last_reduction.load());
   agreed.total_weight = sums.state.total_weight;
   agreed.microbatches = sums.state.microbatches;
   if (check_non_finite && local) {
@@ -407,10 +484,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
                                                       : kernels::all_finite(own.data<float>(), own.elements);
     agreed.non_finite = finite ? 0 : 1;
   }
-  const library_handles& handles = library_handles::get();
-  check(MPI_Allreduce(MPI_IN_PLACE, &agreed, 1, handles.type, handles.op, comm), "MPI_Allreduce");
-  if (local_failure) std::rethrow_exception(local_failure);
-  check_agreement(agreed);
+  agree_on(agreed, rank, local_failure, local_code, comm);
 
   // 3. Presence: one bit per parameter position, OR-ed over the ranks. When every rank has a
   //    gradient for every parameter (the usual case), or none for any, the OR is known, and
@@ -435,6 +509,8 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   agreed_window<B> window;
   window.state = {sums.state.dtype, sums.state.loss_scale, agreed.total_weight, agreed.microbatches};
   window.found_non_finite = agreed.non_finite != 0;
+  window.number = agreed.window.max + 1;
+  note_reduction(window.number);
   const flat_layout<B>& layout = *local->layout;
   if (storage.present_count != 0) {
     std::size_t first = 0;
