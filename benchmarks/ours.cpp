@@ -154,7 +154,8 @@ struct small_model {
   }
   [[nodiscard]] const float* data(std::size_t i) const { return static_cast<const float*>(storage[i].get()); }
   void insert_all() {
-    for (std::size_t i = 0; i < storage.size(); ++i) grads.insert(params[i].id, backend_of<B>::view(data(i), elements));
+    for (std::size_t i = 0; i < storage.size(); ++i)
+      grads.insert_or_assign(params[i].id, backend_of<B>::view(data(i), elements));
   }
 };
 

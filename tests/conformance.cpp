@@ -6,11 +6,14 @@
 /// the contract fixes a result, and compared with `==` or bit for bit. Every rejection is
 /// checked for its `errc`, the offending id, and that values and counters did not change.
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <future>
 #include <limits>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -49,6 +52,29 @@ gradients_params<B> gradient(std::string_view id, const tensor_shape& shape, con
   gradients_params<B> grads;
   grads.insert(id, make_tensor<B, T>(shape, std::span<const double>(values), device));
   return grads;
+}
+
+/// What `call` throws, as text; empty when it throws nothing.
+template <class Call>
+std::string message_of(const Call& call) {
+  try {
+    call();
+  } catch (const error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+/// Whether `g`'s buffer is zero outside its present segments, as its invariant says.
+template <class W, class B>
+bool zero_outside_present(const flat_gradients<B>& g) {
+  const std::span<const W> all = g.template flat<W>();
+  std::vector<bool> inside(all.size(), false);
+  for (const auto& e : g) std::fill_n(inside.begin() + static_cast<std::ptrdiff_t>(e.offset), e.size, true);
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (!inside[i] && all[i] != W{0}) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -119,15 +145,24 @@ TEST_CASE_TEMPLATE("gradients_params holds present gradients of any element type
   CHECK(grads.template get_at<double>(1) == grads.template get<double>("b"));
   CHECK(grads.template get_at<double>(0) == nullptr);
 
-  SUBCASE("inserting under an existing id replaces its gradient") {
-    grads.insert("a", make_tensor<B, double>(shape_a, {7, 7, 7, 7, 7, 7}));
+  SUBCASE("insert refuses an id that is present, changing nothing; insert_or_assign replaces") {
+    GRADACCUM_CHECK_REJECTED(grads.insert("a", make_tensor<B, double>(shape_a, {7, 7, 7, 7, 7, 7})),
+                             errc::invalid_record, "a");
+    CHECK(message_of([&] {
+            grads.insert("a", make_tensor<B, float>(shape_a, {7, 7, 7, 7, 7, 7}));
+          }).find("insert_or_assign") != std::string::npos);
+    CHECK(grads.size() == 2);
+    CHECK(values_of<float>(grads, "a") == std::vector<float>{1, 2, 3, 4, 5, 6});
+    grads.insert_or_assign("a", make_tensor<B, double>(shape_a, {7, 7, 7, 7, 7, 7}));
     CHECK(grads.size() == 2);
     CHECK(grads.template get<float>("a") == nullptr);
     CHECK(values_of<double>(grads, "a") == std::vector<double>(6, 7.0));
+    grads.insert_or_assign("c", make_tensor<B, float>(shape_a, {1, 1, 1, 1, 1, 1}));  // absent: inserted
+    CHECK(grads.size() == 3);
   }
   SUBCASE("16-bit gradients keep their dtype") {
     for_each_16bit_type<B>([&]<class T>() {
-      grads.insert("h", make_tensor<B, T>(shape_a, {1, 2, 3, 4, 5, 6}));
+      grads.insert_or_assign("h", make_tensor<B, T>(shape_a, {1, 2, 3, 4, 5, 6}));
       CHECK(grads.dtype("h") == std::optional(dtype_of<T>));
       CHECK(grads.template get<T>("h") != nullptr);
     });
@@ -333,6 +368,74 @@ TEST_CASE_TEMPLATE("a tied parameter accumulates under its one id", B, GRADACCUM
   const auto finished = acc.finish_mean(params);
   CHECK(finished.gradients.size() == 1);
   CHECK(values_of<float>(finished.gradients, "embedding") == as<float>(multiples(shape_a, 1)));
+}
+
+TEST_CASE_TEMPLATE("a result's buffer comes back zero outside its present segments, whatever flat<W>() wrote", B,
+                   GRADACCUM_TEST_BACKENDS) {
+  // Weight decay over the whole flat vector writes absent segments and padding too.
+  const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
+  for_each_work_type([&]<class W>() {
+    INFO("work dtype " << dtype_of<W>);
+    weighted_gradients_accumulator<B> acc(dtype_of<W>, 1.0);
+    acc.accumulate_sum(params, gradient<B>("a", shape_a, multiples(shape_a, 1)), 1);
+    const weighted_gradients_record saved = acc.try_to_record();
+    const auto decayed = [&] {
+      auto result = acc.finish_mean(params);
+      for (W& v : result.gradients.template flat<W>()) v = v + W{0.25};
+    };  // the result is dropped: its buffer serves the next window
+    decayed();
+    acc.accumulate_sum(params, gradient<B>("a", shape_a, multiples(shape_a, 1)), 1);
+    CHECK(zero_outside_present<W>(acc.pending()));
+    acc.accumulate_sum(params, gradient<B>("b", shape_b, multiples(shape_b, 1)), 1);
+    CHECK(values_of<W>(acc.pending(), "b") == as<W>(multiples(shape_b, 1)));  // not 1.25, 2.25, ...
+    decayed();
+    // A load takes the recycled buffer too: what it does not overwrite is zero.
+    acc.load_record(params, saved);
+    CHECK(values_of<W>(acc.pending(), "a") == as<W>(multiples(shape_a, 1)));
+    CHECK_FALSE(acc.pending().contains("b"));
+    CHECK(zero_outside_present<W>(acc.pending()));
+  });
+}
+
+TEST_CASE_TEMPLATE("a result asked for the other work type refuses with invalid_dtype; an absent id is absent", B,
+                   GRADACCUM_TEST_BACKENDS) {
+  const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
+  weighted_gradients_accumulator<B> acc(float_dtype::f64, 1.0);
+  acc.accumulate_sum(params, gradient<B>("a", shape_a, multiples(shape_a, 1)), 1);
+  auto result = acc.finish_mean(params);
+  auto& g = result.gradients;
+  const auto& read_only = g;
+  GRADACCUM_CHECK_REJECTED(read_only.template get<float>("a"), errc::invalid_dtype, "");
+  GRADACCUM_CHECK_REJECTED(read_only.template values<float>("a"), errc::invalid_dtype, "");
+  GRADACCUM_CHECK_REJECTED(read_only.template values<float>("b"), errc::invalid_dtype, "");
+  GRADACCUM_CHECK_REJECTED(read_only.template values<float>(*read_only.begin()), errc::invalid_dtype, "");
+  GRADACCUM_CHECK_REJECTED(read_only.template flat<float>(), errc::invalid_dtype, "");
+  GRADACCUM_CHECK_REJECTED(g.template flat<float>(), errc::invalid_dtype, "");
+  const std::string message = message_of([&] { (void)g.template flat<float>(); });
+  CHECK(message.find("F64") != std::string::npos);
+  CHECK(message.find("F32") != std::string::npos);
+  CHECK_FALSE(read_only.template get<double>("b").has_value());  // absent
+  CHECK(read_only.template values<double>("b").empty());
+  CHECK(values_of<double>(g, "a") == multiples(shape_a, 1));   // nothing changed
+  CHECK(flat_gradients<B>().template flat<double>().empty());  // nothing laid out: no values of any type
+}
+
+TEST_CASE_TEMPLATE("a pending gradient that a smaller parameter set lacks is refused as pending, changing nothing", B,
+                   GRADACCUM_TEST_BACKENDS) {
+  const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
+  const auto smaller = make_parameters<B>({{"a", shape_a}});
+  weighted_gradients_accumulator<B> acc(float_dtype::f32, 1.0);
+  acc.accumulate_sum(params, gradient<B>("b", shape_b, multiples(shape_b, 1)), 1);
+  const auto before = acc.try_to_record();
+  GRADACCUM_CHECK_REJECTED(acc.accumulate_sum(smaller, gradient<B>("a", shape_a, multiples(shape_a, 1)), 1),
+                           errc::unknown_parameters, "b");
+  GRADACCUM_CHECK_SAME_BITS(acc.try_to_record(), before);
+  CHECK(message_of([&] {
+          acc.accumulate_sum(smaller, gradient<B>("a", shape_a, multiples(shape_a, 1)), 1);
+        }).find("pending in this window") != std::string::npos);
+  GRADACCUM_CHECK_REJECTED((void)acc.finish_mean(smaller), errc::unknown_parameters, "b");
+  GRADACCUM_CHECK_SAME_BITS(acc.try_to_record(), before);
+  CHECK(message_of([&] { (void)acc.finish_mean(smaller); }).find("pending in this window") != std::string::npos);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -819,8 +922,8 @@ TEST_CASE_TEMPLATE("a gradients_params reused across microbatches is checked in 
   grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
   acc.accumulate_sum(params, grads, 1);
 
-  // Re-inserting under the same ids replaces the values.
-  grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 10)));
+  // insert_or_assign under the same ids replaces the values.
+  grads.insert_or_assign("a", make_tensor<B, float>(shape_a, multiples(shape_a, 10)));
   acc.accumulate_sum(params, grads, 1);
   CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 11)));
   CHECK(values_of<float>(acc.pending(), "b") == as<float>(multiples(shape_b, 2)));
@@ -831,12 +934,12 @@ TEST_CASE_TEMPLATE("a gradients_params reused across microbatches is checked in 
     GRADACCUM_CHECK_SAME_BITS(acc.try_to_record(), before);
   };
   // Same ids, but a value of another shape: replaced, or changed in place through get<T>.
-  grads.insert("a", make_tensor<B, float>(shape_b, multiples(shape_b, 1)));
+  grads.insert_or_assign("a", make_tensor<B, float>(shape_b, multiples(shape_b, 1)));
   rejects(errc::parameter_mismatch, "a");
-  grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
+  grads.insert_or_assign("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
   *grads.template get<float>("a") = make_tensor<B, float>(shape_b, multiples(shape_b, 1));
   rejects(errc::parameter_mismatch, "a");
-  grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
+  grads.insert_or_assign("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
   // Changed ids are resolved again.
   CHECK(grads.erase("b"));
   grads.insert("z", make_tensor<B, float>(shape_b, multiples(shape_b, 1)));
@@ -862,16 +965,16 @@ TEST_CASE_TEMPLATE("a gradients_params reused across microbatches is checked in 
     const auto good = make_tensor<B, float>(shape_a, multiples(shape_a, 1));
     const auto misshapen = make_tensor<B, float>(shape_b, multiples(shape_b, 1));
     gradients_params<B> viewed;
-    viewed.insert("a", backend_fixture<B>::view_of(good));
+    viewed.insert_or_assign("a", backend_fixture<B>::view_of(good));
     weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
     window.accumulate_sum(params, viewed, 1);
     window.accumulate_sum(params, viewed, 1);
     const auto kept = window.try_to_record();
-    viewed.insert("a", backend_fixture<B>::view_of(misshapen));
+    viewed.insert_or_assign("a", backend_fixture<B>::view_of(misshapen));
     for (int attempt = 0; attempt < 2; ++attempt) {
       GRADACCUM_CHECK_REJECTED(window.accumulate_sum(params, viewed, 1), errc::parameter_mismatch, "a");
     }
-    viewed.insert("a", backend_fixture<B>::view_of(good));
+    viewed.insert_or_assign("a", backend_fixture<B>::view_of(good));
     const auto transposed = make_parameters<B>({{"a", shape_b}});
     GRADACCUM_CHECK_REJECTED(window.accumulate_sum(transposed, viewed, 1), errc::parameter_mismatch, "a");
     GRADACCUM_CHECK_SAME_BITS(window.try_to_record(), kept);
@@ -900,20 +1003,20 @@ TEST_CASE_TEMPLATE("bound gradients check their owned tensors on every call, wha
   };
   grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));
   grads.insert("b", make_tensor<B, float>(shape_b, multiples(shape_b, 2)));
-  grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));  // a tensor over a tensor
+  grads.insert_or_assign("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));  // a tensor over a tensor
   CHECK(grads.owned_count() == 2);
   owned_a_is_checked();
   acc.accumulate_sum(params, grads, 1);
   if constexpr (gradaccum::detail::has_views<B>) {
     const auto fives_b = make_tensor<B, float>(shape_b, multiples(shape_b, 5));
-    grads.insert("b", backend_fixture<B>::view_of(fives_b));  // a view over a tensor
+    grads.insert_or_assign("b", backend_fixture<B>::view_of(fives_b));  // a view over a tensor
     CHECK(grads.owned_count() == 1);
     owned_a_is_checked();
     acc.accumulate_sum(params, grads, 1);
-    grads.insert("a", backend_fixture<B>::view_of(ones_a));  // a view over a tensor
+    grads.insert_or_assign("a", backend_fixture<B>::view_of(ones_a));  // a view over a tensor
     CHECK(grads.owned_count() == 0);
     acc.accumulate_sum(params, grads, 1);
-    grads.insert("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));  // a tensor over a view
+    grads.insert_or_assign("a", make_tensor<B, float>(shape_a, multiples(shape_a, 1)));  // a tensor over a view
     CHECK(grads.owned_count() == 1);
     owned_a_is_checked();
     acc.accumulate_sum(params, grads, 1);
@@ -959,12 +1062,12 @@ TEST_CASE_TEMPLATE("calls repeated with unchanged views add into the right tenso
     CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 4)));
     CHECK(values_of<float>(acc.pending(), "b") == as<float>(multiples(shape_b, 4)));
 
-    viewed.insert("a", backend_fixture<B>::view_of(tens_a));  // re-seated
+    viewed.insert_or_assign("a", backend_fixture<B>::view_of(tens_a));  // re-seated
     call(viewed, 3);
     CHECK(values_of<float>(acc.pending(), "a") == as<float>(multiples(shape_a, 34)));
     {
       auto copy = std::make_unique<gradients_params<B>>(viewed);  // same versions, other entries
-      viewed.insert("a", backend_fixture<B>::view_of(ones_a));
+      viewed.insert_or_assign("a", backend_fixture<B>::view_of(ones_a));
       call(*copy, 2);
       copy.reset();
       call(viewed, 2);

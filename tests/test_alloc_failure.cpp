@@ -68,8 +68,8 @@ TEST_CASE_TEMPLATE("accumulating allocates nothing once every parameter has its 
     CHECK(allocations_of([&] { acc.accumulate_mean(params, viewed, 4); }) == 0);
     // Reused for the next microbatch: views re-seated under the same ids.
     CHECK(allocations_of([&] {
-            viewed.insert("a", backend_fixture<B>::view_of(a));
-            viewed.insert("b", backend_fixture<B>::view_of(b));
+            viewed.insert_or_assign("a", backend_fixture<B>::view_of(a));
+            viewed.insert_or_assign("b", backend_fixture<B>::view_of(b));
             acc.accumulate_sum(params, viewed, 1);
           }) == 0);
     microbatches += 3;
@@ -222,7 +222,8 @@ TEST_CASE_TEMPLATE("an allocation failure in gradients_params::insert changes no
   }
   SUBCASE("replacing a gradient") {
     const auto other = make_tensor<B, float>(shape_a, multiples(shape_a, 10));
-    fail_each_allocation([&] { grads.insert("layer3.weight.with.a.long.name", other); }, unchanged(grads.size()));
+    fail_each_allocation([&] { grads.insert_or_assign("layer3.weight.with.a.long.name", other); },
+                         unchanged(grads.size()));
     CHECK(values_of<float>(grads, "layer3.weight.with.a.long.name") == as<float>(multiples(shape_a, 10)));
   }
 }

@@ -208,7 +208,7 @@ TEST_CASE("in-place inputs are read when accumulated: later writes to the caller
   gradients_params<B> grads;
   grads.insert("block", big.block(1, 1, 2, 3));
   grads.insert("map", Eigen::Map<const matrix>(buffer.data(), 3, 2));
-  grads.insert("bias", bias);
+  grads.insert("bias", gradaccum::view(bias));  // owns its storage: read in place only when asked
   CHECK(grads.get<float>("block") == nullptr);  // a view, not an owned copy
 
   big(1, 3) = 100.0F;  // element (0, 2) of the block
@@ -219,6 +219,44 @@ TEST_CASE("in-place inputs are read when accumulated: later writes to the caller
   CHECK(window.pending().values<float>("block")[2] == 100.0F);
   CHECK(window.pending().values<float>("map")[2] == 50.0F);  // row-major position of (1, 0)
   CHECK(window.pending().values<float>("bias")[3] == 7.0F);
+}
+
+TEST_CASE("an lvalue that owns its storage is copied at insert: set*() on a temporary is safe") {
+  parameter_set<B> params;
+  params.add("b", Eigen::VectorXf(1000));
+  params.add("t", Eigen::Tensor<float, 4>(2, 3, 4, 5));
+  params.add("r", row_major_matrix(2, 3));
+  gradients_params<B> grads;
+  // Lvalue references to temporaries (the newcomer's lines): copied while the temporary lives.
+  grads.insert("b", Eigen::VectorXf(1000).setOnes());
+  grads.insert("t", Eigen::Tensor<float, 4>(2, 3, 4, 5).setConstant(1));
+  row_major_matrix r = counting(2, 3);
+  grads.insert("r", r);
+  r.setZero();  // a copy: later writes are not seen
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  const auto b = window.pending().values<float>("b");
+  CHECK(std::vector<float>(b.begin(), b.end()) == std::vector<float>(1000, 1.0F));
+  const auto t = window.pending().values<float>("t");
+  CHECK(std::vector<float>(t.begin(), t.end()) == std::vector<float>(120, 1.0F));
+  CHECK(window.pending().values<float>("r")[5] == 0.1F * 6.0F);
+
+  // A loop that gives the same ids again copies into the entries' storage: no allocation.
+  Eigen::VectorXf next = Eigen::VectorXf::Constant(1000, 2.0F);
+  CHECK(allocations_of([&] {
+          grads.insert_or_assign("b", next);
+          grads.insert_or_assign("r", r);
+        }) == 0);
+  window.accumulate_sum(params, grads, 1.0);
+  CHECK(window.pending().values<float>("b")[999] == 3.0F);
+  CHECK(window.pending().values<float>("r")[5] == 0.1F * 6.0F);
+  // A copy of the container keeps its values when the original is given new ones.
+  const gradients_params<B> kept = grads;
+  const Eigen::VectorXf five = Eigen::VectorXf::Constant(1000, 5.0F);
+  grads.insert_or_assign("b", five);
+  gradients_accumulator<B> sum;
+  sum.accumulate(params, kept);
+  CHECK(sum.pending().values<float>("b")[0] == 2.0F);
 }
 
 TEST_CASE("a temporary that owns its storage is copied at insert, not viewed") {
@@ -329,7 +367,7 @@ TEST_CASE("shapes compare as Eigen assigns: [n] is [n, 1], [] is [1, 1]; other s
   const auto refused = [&](const char* id, auto&& gradient) {
     CAPTURE(id);
     gradients_params<B> wrong = grads;
-    wrong.insert(id, gradient);
+    wrong.insert_or_assign(id, gradient);
     try {
       window.accumulate_sum(params, wrong, 1.0);
       FAIL("accepted");

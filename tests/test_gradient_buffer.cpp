@@ -148,6 +148,22 @@ TEST_CASE_TEMPLATE("absent parameters stay absent; clear() zeroes what was prese
   CHECK(nothing.state().total_weight == 5.0);
 }
 
+TEST_CASE_TEMPLATE("clear() zeroes every segment, also one written through a span while it was absent", B,
+                   eigen_backend, xtensor_backend) {
+  const parameter_set<B> params = model<B>();
+  gradient_buffer<B> buffer(params);
+  const std::span<float> bias = buffer.values("fc.bias");  // held across microbatches
+  buffer.clear();
+  bias[0] = 5.0F;  // "fc.bias" is absent: no clear() since has zeroed it
+  buffer.clear();
+  for (const float v : buffer.flat()) CHECK(v == 0.0F);
+  // A backward that adds into its segment: 2, not 5 + 2.
+  buffer.values("fc.bias")[0] += 2.0F;
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, buffer, 1.0);
+  CHECK(window.pending().template values<float>("fc.bias")[0] == 2.0F);
+}
+
 TEST_CASE_TEMPLATE("a buffer of another parameter set, or of an unknown id, is refused and changes nothing", B,
                    eigen_backend, xtensor_backend) {
   parameter_set<B> params = model<B>();

@@ -311,7 +311,8 @@ TEST_CASE("gradients that do not fit are refused with a gradaccum::error and cha
     gradients_params<B> grads;
     grads.insert("b", torch::ones({3}));
     GRADACCUM_CHECK_REJECTED(grads.insert("w", torch::ones({2, 3}, torch::kInt64)), errc::invalid_dtype, "w");
-    GRADACCUM_CHECK_REJECTED(grads.insert("b", torch::ones({3}, torch::kComplexFloat)), errc::invalid_dtype, "b");
+    GRADACCUM_CHECK_REJECTED(grads.insert_or_assign("b", torch::ones({3}, torch::kComplexFloat)), errc::invalid_dtype,
+                             "b");
     CHECK(grads.size() == 1);
     CHECK(grads.dtype("b") == float_dtype::f32);  // the earlier gradient is kept
     GRADACCUM_CHECK_REJECTED(params.add("steps", torch::zeros({1}, torch::kInt32)), errc::invalid_dtype, "steps");

@@ -3,6 +3,8 @@
 // strides) and expressions (evaluated once, at insert), each giving the same bits as the plain
 // row-major xt::xarray holding the same values. Also reading in place, shape refusals and no
 // allocation in steady state.
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstring>
 #include <vector>
@@ -186,6 +188,27 @@ TEST_CASE("a temporary container is copied at insert, not viewed") {
   CHECK(std::vector<float>(f.begin(), f.end()) == std::vector<float>{1.0F, 2.0F, 3.0F});
 }
 
+TEST_CASE("a container given as an lvalue is copied at insert: `c += 1` on a temporary is safe") {
+  parameter_set<B> params;
+  params.add("t", xt::xtensor<float, 2>::from_shape({30, 40}));
+  params.add("c", xt::xtensor<float, 2>::from_shape({2, 3}));
+  gradients_params<B> grads;
+  // An lvalue reference to a temporary: copied while the temporary lives.
+  grads.insert("t", xt::xtensor<float, 2>(std::array<std::size_t, 2>{30, 40}, 0.0F) += 1.0F);
+  xt::xtensor<float, 2, xt::layout_type::column_major> c = counting({2, 3});
+  grads.insert("c", c);
+  c.fill(0.0F);  // a copy: later writes are not seen
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  CHECK(window.pending().values<float>("c")[5] == 0.1F * 6.0F);
+  CHECK(allocations_of([&] { grads.insert_or_assign("c", c); }) == 0);  // the entry's storage, reused
+  window.accumulate_sum(params, grads, 1.0);
+  CHECK(window.pending().values<float>("c")[5] == 0.1F * 6.0F);
+  const auto t = window.pending().values<float>("t");
+  CHECK(t.size() == 1200);
+  CHECK(std::all_of(t.begin(), t.end(), [](float x) { return x == 2.0F; }));
+}
+
 TEST_CASE("in-place inputs are read when accumulated: later writes to the caller's memory are seen") {
   xt::xarray<float> big = counting({4, 5});
   xt::xtensor<float, 1> bias = {1.0F, 1.0F, 1.0F};
@@ -196,7 +219,7 @@ TEST_CASE("in-place inputs are read when accumulated: later writes to the caller
   gradients_params<B> grads;
   grads.insert("view", xt::view(big, xt::range(1, 3), xt::range(1, 4)));
   grads.insert("transpose", xt::transpose(big));
-  grads.insert("bias", bias);
+  grads.insert("bias", gradaccum::view(bias));  // a container: read in place only when asked
   CHECK(grads.get<float>("view") == nullptr);
 
   big(1, 3) = 100.0F;  // element (0, 2) of the view, element (3, 1) of the transpose
@@ -239,7 +262,7 @@ TEST_CASE("a gradient of another shape is refused, and nothing changes") {
   const auto refused = [&](const char* id, auto&& gradient) {
     CAPTURE(id);
     gradients_params<B> wrong = grads;
-    wrong.insert(id, gradient);
+    wrong.insert_or_assign(id, gradient);
     try {
       window.accumulate_sum(params, wrong, 1.0);
       FAIL("accepted");

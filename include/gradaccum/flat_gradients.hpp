@@ -161,16 +161,26 @@ struct flat_storage {
   }
   [[nodiscard]] std::size_t element_size() const noexcept { return dtype == float_dtype::f64 ? 8 : 4; }
 
-  /// Zeroes the present segments of `layout` and marks every segment absent.
+  /// Zeroes the whole buffer and marks every segment absent: a result's mutable views (`flat<W>()`
+  /// over absent segments and padding too) may have written anywhere in it, so a buffer taken back
+  /// from one is zeroed whole (one pass, about what zeroing its present segments costs).
+  void clear() noexcept {
+    std::memset(bytes.get(), 0, elements * element_size());
+    std::fill(present.begin(), present.end(), std::uint8_t{0});
+    present_count = 0;
+  }
+
+  /// Zeroes what lies outside the present segments of `layout` (absent segments and padding),
+  /// which a result's `flat<W>()` may have written: the invariant back, values kept.
   template <class B>
-  void clear(const flat_layout<B>& layout) noexcept {
-    if (present_count == 0) return;
+  void zero_outside_present(const flat_layout<B>& layout) noexcept {
+    std::size_t at = 0;
     for (std::size_t i = 0; i < present.size(); ++i) {
       if (present[i] == 0) continue;
-      std::memset(bytes.get() + layout[i].offset * element_size(), 0, layout[i].size * element_size());
-      present[i] = 0;
+      std::memset(bytes.get() + at * element_size(), 0, (layout[i].offset - at) * element_size());
+      at = layout[i].offset + layout[i].size;
     }
-    present_count = 0;
+    std::memset(bytes.get() + at * element_size(), 0, (elements - at) * element_size());
   }
 
   void mark_present(std::size_t position) noexcept {
@@ -229,43 +239,55 @@ class flat_gradients {
     return storage_->dtype;
   }
 
-  /// @brief `id`'s values as the backend's read-only view (`B::map`), if present and of element
-  /// type W; valid while this object lives and is not modified.
+  /// @brief `id`'s values as the backend's read-only view (`B::map`), if present; valid while
+  /// this object lives and is not modified.
+  /// @throws error(errc::invalid_dtype) when W is not the element type of the values held
+  /// (`dtype()`): asked for the other work type, a result does not answer as if `id` were absent.
   template <class W>
   [[nodiscard]] auto get(std::string_view id) const
       -> std::optional<decltype(B::template map<W>(std::span<const W>{}, std::declval<const tensor_shape&>(),
                                                    std::declval<const typename B::device_type&>()))> {
+    require_type<W>();
     const auto position = position_of(id);
-    if (!position || dtype_of<W> != storage_->dtype) return std::nullopt;
+    if (!position) return std::nullopt;
     const flat_segment<B>& s = (*layout_)[*position];
     return B::template map<W>(values_at<W>(s), s.shape, s.device);
   }
 
-  /// @brief `id`'s row-major values, if present and of element type W; else empty.
+  /// @brief `id`'s row-major values, if present; else empty.
+  /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type (see `get`).
   template <class W>
-  [[nodiscard]] std::span<const W> values(std::string_view id) const noexcept {
+  [[nodiscard]] std::span<const W> values(std::string_view id) const {
+    require_type<W>();
     const auto position = position_of(id);
-    if (!position || dtype_of<W> != storage_->dtype) return {};
+    if (!position) return {};
     return values_at<W>((*layout_)[*position]);
   }
-  /// @brief The row-major values of an entry of this object; empty unless W is `dtype()`'s type.
+  /// @brief The row-major values of an entry of this object.
+  /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
-  [[nodiscard]] std::span<const W> values(const entry& e) const noexcept {
-    if (dtype_of<W> != storage_->dtype) return {};
+  [[nodiscard]] std::span<const W> values(const entry& e) const {
+    require_type<W>();
     return {storage_->data<W>() + e.offset, e.size};
   }
 
-  /// @brief The whole buffer, padding and absent segments (zeros) included; empty unless W is
-  /// `dtype()`'s type. `layout()` says where each parameter is.
+  /// @brief The whole buffer, padding and absent segments (zeros) included; empty when nothing
+  /// was laid out. `layout()` says where each parameter is.
+  /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
-  [[nodiscard]] std::span<const W> flat() const noexcept {
-    if (!storage_ || dtype_of<W> != storage_->dtype) return {};
+  [[nodiscard]] std::span<const W> flat() const {
+    require_type<W>();
+    if (!storage_) return {};
     return {storage_->data<W>(), storage_->elements};
   }
-  /// @brief Mutable access for in-place steps on the result (clipping, a reduction).
+  /// @brief Mutable access for in-place steps on the result (clipping, weight decay, a
+  /// reduction), absent segments and padding included: whatever is written there is zeroed again
+  /// when the buffer goes back to its accumulator, and never reaches a later window.
+  /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
-  [[nodiscard]] std::span<W> flat() noexcept {
-    if (!storage_ || dtype_of<W> != storage_->dtype) return {};
+  [[nodiscard]] std::span<W> flat() {
+    require_type<W>();
+    if (!storage_) return {};
     return {storage_->data<W>(), storage_->elements};
   }
 
@@ -402,6 +424,19 @@ class flat_gradients {
     const auto position = layout_->find(id);
     if (!position || !is_present(*position)) return std::nullopt;
     return position;
+  }
+
+  /// Values of one work dtype are asked for as that type: W that is not the held values' type is
+  /// a mistake (a loop over them would silently do nothing), not an absence. Nothing laid out
+  /// holds values of no type, so any W finds nothing there.
+  template <class W>
+  void require_type() const {
+    static_assert(std::is_same_v<W, float> || std::is_same_v<W, double>, "results hold float or double values");
+    if (storage_ && dtype_of<W> != storage_->dtype) [[unlikely]] {
+      detail::fail(errc::invalid_dtype, "these gradients hold " + std::string(to_string(storage_->dtype)) +
+                                            " values; they were asked for as " + std::string(to_string(dtype_of<W>)) +
+                                            " (use the element type of dtype()).");
+    }
   }
 
   template <class W>

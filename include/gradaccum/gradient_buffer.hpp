@@ -73,7 +73,8 @@ class gradient_buffer {
   /// knows its parameters' positions. Precondition: `position < layout().size()`.
   [[nodiscard]] std::span<T> values(std::size_t position) noexcept;
 
-  /// @brief Zeroes the present segments and marks every parameter absent (`zero_grad()`).
+  /// @brief Zeroes the whole buffer, every segment whatever wrote it, and marks every parameter
+  /// absent (`zero_grad()`).
   void clear() noexcept;
 
   /// @brief Whether `id` is present (its segment was handed out since the last `clear()`).
@@ -85,7 +86,8 @@ class gradient_buffer {
   [[nodiscard]] bool is_present(std::size_t position) const noexcept { return present_[position] != 0; }
   /// @brief The segments, shared with accumulators that use this parameter set.
   [[nodiscard]] const flat_layout<B>& layout() const noexcept { return *layout_; }
-  /// @brief The whole buffer, padding and absent segments (zeros) included.
+  /// @brief The whole buffer, padding and absent segments included (zeros, unless written
+  /// through a span handed out before the last `clear()`).
   [[nodiscard]] std::span<const T> flat() const noexcept { return {data_.get(), layout_->elements()}; }
 
  private:
@@ -127,13 +129,10 @@ std::span<T> gradient_buffer<B, T>::values(std::size_t position) noexcept {
 
 template <class B, class T>
 void gradient_buffer<B, T>::clear() noexcept {
-  if (present_count_ == 0) return;
-  for (std::size_t i = 0; i < present_.size(); ++i) {
-    if (present_[i] == 0) continue;
-    const flat_segment<B>& s = (*layout_)[i];
-    std::memset(static_cast<void*>(data_.get() + s.offset), 0, s.size * sizeof(T));
-    present_[i] = 0;
-  }
+  // The whole buffer, as zero_grad() does: a span handed out earlier may have written a segment
+  // that is absent now, and a backward that adds into a segment needs it zero.
+  std::memset(static_cast<void*>(data_.get()), 0, layout_->elements() * sizeof(T));
+  std::fill(present_.begin(), present_.end(), std::uint8_t{0});
   present_count_ = 0;
 }
 

@@ -218,8 +218,8 @@ class gradients_accumulator {
     }
 
     void commit() && noexcept {
-      // A recycled buffer was not zeroed when taken: the segments it held and this load did not
-      // overwrite are zeroed now (absent segments are zero).
+      // A recycled buffer's present segments were not zeroed when taken (the rest was): those
+      // this load did not overwrite are zeroed now.
       for (std::size_t position = 0; position < stale_.size(); ++position) {
         if (stale_[position] == 0 || storage_->present[position] != 0) continue;
         const flat_segment<B>& s = (*layout_)[position];
@@ -312,8 +312,9 @@ class gradients_accumulator {
       return base;
     }
 
-    /// A buffer for the values: a recycled one, taken as it is (every value the load writes
-    /// overwrites it, so zeroing it first would write the whole window twice), else a new one.
+    /// A buffer for the values: a recycled one, its present segments taken as they are (every
+    /// value the load writes overwrites them, so zeroing them first would write the window twice;
+    /// `commit` zeroes those it does not), the rest zeroed by `recycle`; else a new one.
     void take_storage(float_dtype dtype) {
       std::vector<std::uint8_t> absent(layout_->size(), 0);  // may throw: nothing is taken yet
       storage_ = target_->recycle(layout_, dtype, false);
@@ -546,14 +547,28 @@ class gradients_accumulator {
     if (!pending_.layout_ || pending_.layout_->laid_out_for(params)) return;
     for (const auto& e : pending_) {
       const auto position = params.find(e.id);
-      if (!position) detail::fail_unknown<B>(e.id);
-      if (!detail::same_shape<B>(params[*position].shape, e.shape)) {
-        detail::fail(errc::parameter_mismatch,
-                     "pending gradient '" + std::string(e.id) + "' has shape " + e.shape.to_string() +
-                         " but its parameter has shape " + params[*position].shape.to_string() + ".",
-                     std::string(e.id));
-      }
+      if (!position) fail_pending_unknown(e.id);
+      if (!detail::same_shape<B>(params[*position].shape, e.shape)) fail_pending_shape(e, params[*position].shape);
     }
+  }
+
+  /// A pending gradient the parameter set passed now lacks: it came from an earlier call of
+  /// this window, not from this call's gradients, and the message says so.
+  [[noreturn, gnu::cold]] static void fail_pending_unknown(std::string_view id) {
+    detail::fail(errc::unknown_parameters,
+                 "gradient '" + std::string(id) +
+                     "', pending in this window from an earlier call, names no parameter of the parameter set "
+                     "passed now; finish the window with the set it was accumulated with before switching to a "
+                     "set without it.",
+                 std::string(id));
+  }
+  [[noreturn, gnu::cold]] static void fail_pending_shape(const typename flat_gradients<B>::entry& e,
+                                                         const tensor_shape& shape) {
+    detail::fail(errc::parameter_mismatch,
+                 "gradient '" + std::string(e.id) + "', pending in this window from an earlier call, has shape " +
+                     e.shape.to_string() + " but its parameter in the parameter set passed now has shape " +
+                     shape.to_string() + ".",
+                 std::string(e.id));
   }
 
   /// The layout for `params`: the current one while it was laid out for this set, else new.
@@ -576,13 +591,9 @@ class gradients_accumulator {
     try {
       for (const auto& e : pending_) {
         const auto position = layout->find(e.id);
-        if (!position || !detail::same_shape<B>((*layout)[*position].shape, e.shape)) {
-          if (!position) detail::fail_unknown<B>(e.id);
-          detail::fail(errc::parameter_mismatch,
-                       "pending gradient '" + std::string(e.id) + "' has shape " + e.shape.to_string() +
-                           " but its parameter has shape " + (*layout)[*position].shape.to_string() + ".",
-                       std::string(e.id));
-        }
+        if (!position) fail_pending_unknown(e.id);
+        if (!detail::same_shape<B>((*layout)[*position].shape, e.shape))
+          fail_pending_shape(e, (*layout)[*position].shape);
         const flat_segment<B>& s = (*layout)[*position];
         detail::visit_work_dtype(dtype, [&]<class W>() {
           W* out = fresh->data<W>() + s.offset;
@@ -595,7 +606,7 @@ class gradients_accumulator {
         fresh->mark_present(*position);
       }
     } catch (...) {
-      fresh->clear(*layout);
+      fresh->clear();
       throw;
     }
     return fresh;
@@ -609,12 +620,18 @@ class gradients_accumulator {
   }
 
   /// A buffer handed out by `grads()` or replaced by a load that nobody else holds any more,
-  /// cleared (unless `cleared` is false: its present segments keep their values); else null.
+  /// zeroed (unless `cleared` is false: then only its absent segments and padding are, and its
+  /// present segments keep their values); else null. A result's mutable views may have written
+  /// anywhere in the buffer, so the invariant is re-established here, whatever was written.
   std::shared_ptr<detail::flat_storage> recycle(const std::shared_ptr<const flat_layout<B>>& layout, float_dtype dtype,
                                                 bool cleared = true) noexcept {
     for (auto& [laid_out_with, storage] : recycled_) {
       if (storage && storage.use_count() == 1 && laid_out_with == layout && storage->dtype == dtype) {
-        if (cleared) storage->clear(*layout);
+        if (cleared) {
+          storage->clear();
+        } else {
+          storage->zero_outside_present(*layout);
+        }
         return std::exchange(storage, nullptr);
       }
     }

@@ -7,6 +7,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <span>
@@ -99,7 +100,7 @@ inline void require_scalar(double value, float_dtype dtype, bool divisor) {
 ///
 /// Entries keep insertion order; giving them in parameter order makes id resolution a single
 /// string comparison each. Reused across microbatches with the same ids (views of buffers
-/// rewritten in place, or values replaced by `insert`), it is resolved once per accumulator.
+/// rewritten in place, or values replaced by `insert_or_assign`), it is resolved once per accumulator.
 template <class B>
 class gradients_params {
   static_assert(detail::check_backend<B>());
@@ -114,6 +115,10 @@ class gradients_params {
     std::string id;
     value_type value;
     std::size_t position = 0;  ///< the parameter's position, in a container bound to a set
+    /// The values a `copied_view` went in with, which `value` views; shared by copies of the
+    /// container, reused by `insert_or_assign` while only this entry holds it.
+    std::shared_ptr<std::byte[]> copy = nullptr;
+    std::size_t copy_bytes = 0;
   };
 
   /// @brief Gradients for any parameter set, resolved by id on every accumulate call.
@@ -137,12 +142,30 @@ class gradients_params {
     return params_ == &params && params_identity_ == params.identity();
   }
 
-  /// @brief Stores `value` under `id`, replacing any previous gradient for `id`: a tensor (moved
-  /// or copied), a view of caller memory (read in place), or anything else the backend takes
-  /// (see `<gradaccum/detail/gradient_input.hpp>`; expressions are evaluated here, once).
-  /// @throws error(errc::parameter_mismatch) for a shape the backend cannot represent.
+  /// @brief Stores `value` under a new `id`: a tensor (moved or copied), a view of caller memory
+  /// (read in place), or anything else the backend takes (see
+  /// `<gradaccum/detail/gradient_input.hpp>`; expressions are evaluated here, once). As the
+  /// standard library's `insert`, it neither replaces nor adds to a gradient already under `id`:
+  /// use `insert_or_assign` to replace one.
+  /// @throws error(errc::invalid_record) when `id` is present (nothing changes);
+  /// error(errc::parameter_mismatch) for a shape the backend cannot represent.
   template <class X>
   void insert(std::string_view id, X&& value) {
+    if (find(id)) [[unlikely]] {
+      detail::fail(errc::invalid_record,
+                   "gradient '" + std::string(id) +
+                       "' is present already; insert_or_assign replaces it (to sum two gradients, accumulate them "
+                       "in separate microbatches).",
+                   std::string(id));
+    }
+    insert_or_assign(id, std::forward<X>(value));
+  }
+
+  /// @brief `insert`, replacing the gradient under `id` if there is one (a view re-seated, or a
+  /// value copied into storage the entry keeps: a loop that gives the same ids again allocates
+  /// nothing). Strong guarantee: on a throw the previous gradient stays.
+  template <class X>
+  void insert_or_assign(std::string_view id, X&& value) {
     if constexpr (detail::gradient_input<B, X>) {
       detail::visit_input<B>([&]<class A>(A&& alternative) { insert_alternative(id, std::forward<A>(alternative)); },
                              detail::as_alternative<B>(id, std::forward<X>(value)));
@@ -272,9 +295,65 @@ class gradients_params {
     return [this](std::size_t position) -> std::string_view { return entries_[position].id; };
   }
 
+  /// Stores a copy of the storage `value.view` spans under `id`, read through the same strides,
+  /// in the entry's own storage when it has room and no copy of the container shares it;
+  /// strong guarantee (everything that may throw comes before the first write).
+  template <class T>
+  void insert_copy(std::string_view id, const copied_view<T>& value) {
+    using view = strided_view<const T>;
+    using stored = detail::view_slot<view>;
+    const view& from = value.view;
+    // The elements the strides reach: [low, high] around data(); every element when they are
+    // a plain object's own.
+    std::ptrdiff_t low = 0;
+    std::ptrdiff_t high = 0;
+    for (std::size_t axis = 0; axis < from.shape().rank(); ++axis) {
+      const std::ptrdiff_t reach = from.strides()[axis] * static_cast<std::ptrdiff_t>(from.shape()[axis] - 1);
+      (reach < 0 ? low : high) += reach;
+    }
+    const std::size_t bytes = from.size() == 0 ? 0 : static_cast<std::size_t>(high - low + 1) * sizeof(T);
+    const std::size_t parameter = params_ ? detail::resolve(*params_, id, from, 0) : 0;
+    const auto position = find(id);
+    entry* const present = position ? &entries_[*position] : nullptr;
+    std::shared_ptr<std::byte[]> copy;
+    std::size_t capacity = std::max<std::size_t>(bytes, 1);
+    if (present && present->copy.use_count() == 1 && present->copy_bytes >= bytes) {
+      copy = present->copy;  // written below, once nothing can throw
+      capacity = present->copy_bytes;
+    } else {
+      copy = std::shared_ptr<std::byte[]>(new std::byte[capacity]);
+    }
+    const auto copied = [&] {
+      if (bytes != 0) std::memcpy(copy.get(), from.data() + low, bytes);
+      return view(reinterpret_cast<const T*>(copy.get()) - low, from.shape(), from.strides());
+    };
+    if (present) {
+      owned_ -= is_view(present->value) ? 0 : 1;
+      present->value.template emplace<stored>(copied());
+      present->position = parameter;
+    } else {
+      reserve(entries_.size() + 1);
+      entries_.emplace_back_with([&](void* node) {
+        ::new (node) entry{std::string(id), value_type(std::in_place_type<stored>, copied()), parameter};
+      });
+      index_.insert(entries_.size() - 1, entries_.back().id);
+    }
+    entry& e = present ? *present : entries_.back();
+    e.copy = std::move(copy);
+    e.copy_bytes = capacity;
+  }
+
   /// Stores one tensor or view of B under `id` (see `insert`), with the strong guarantee.
   template <class A>
   void insert_alternative(std::string_view id, A&& value) {
+    if constexpr (detail::is_copied_view_of<B, std::remove_cvref_t<A>>::value) {
+      insert_copy(id, value);
+    } else {
+      insert_tensor_or_view(id, std::forward<A>(value));
+    }
+  }
+  template <class A>
+  void insert_tensor_or_view(std::string_view id, A&& value) {
     using stored = stored_type<std::remove_cvref_t<A>>;
     const auto position = find(id);
     if constexpr (!std::is_same_v<stored, std::remove_cvref_t<A>>) {

@@ -69,7 +69,10 @@ class parameter_set {
     // copied: a temporary Eigen::VectorXf is [n] like a variable, not the n x 1 matrix of a copy.
     if constexpr (detail::gradient_input<B, const std::remove_reference_t<X>&>) {
       return detail::visit_input<B>(
-          [&](const auto& input) { return add(id, detail::shape_of<B>(input, id), B::device(input)); },
+          [&](const auto& input) {
+            const auto& geometry = detail::uncopied(input);  // what a gradient would copy is not copied
+            return add(id, detail::shape_of<B>(geometry, id), B::device(geometry));
+          },
           detail::as_alternative<B>(id, std::as_const(tensor)));
     } else {
       detail::reject_input<B, X>();

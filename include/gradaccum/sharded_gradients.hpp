@@ -22,11 +22,13 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
 #include "gradaccum/flat_gradients.hpp"
 #include "gradaccum/global_norm.hpp"
 #include "gradaccum/records.hpp"
@@ -85,16 +87,20 @@ class sharded_gradients {
 
   /// @brief This shard's place in the window's buffer.
   [[nodiscard]] const shard_range& range() const noexcept { return range_; }
-  /// @brief The shard's `range().size` values, of element type W (else empty).
+  /// @brief The shard's `range().size` values (empty for a default-constructed shard).
+  /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
-  [[nodiscard]] std::span<const W> values() const noexcept {
-    if (!storage_ || dtype_of<W> != storage_->dtype) return {};
+  [[nodiscard]] std::span<const W> values() const {
+    require_type<W>();
+    if (!storage_) return {};
     return {storage_->data<W>(), storage_->elements};
   }
   /// @brief Mutable values, for in-place steps (clipping).
+  /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
-  [[nodiscard]] std::span<W> values() noexcept {
-    if (!storage_ || dtype_of<W> != storage_->dtype) return {};
+  [[nodiscard]] std::span<W> values() {
+    require_type<W>();
+    if (!storage_) return {};
     return {storage_->data<W>(), storage_->elements};
   }
 
@@ -109,6 +115,16 @@ class sharded_gradients {
 
  private:
   friend struct detail::shard_access;
+
+  template <class W>
+  void require_type() const {
+    static_assert(std::is_same_v<W, float> || std::is_same_v<W, double>, "shards hold float or double values");
+    if (storage_ && dtype_of<W> != storage_->dtype) [[unlikely]] {
+      detail::fail(errc::invalid_dtype, "this shard holds " + std::string(to_string(storage_->dtype)) +
+                                            " values; it was asked for them as " + std::string(to_string(dtype_of<W>)) +
+                                            " (use the element type of dtype()).");
+    }
+  }
 
   std::shared_ptr<const flat_layout<B>> layout_;
   std::shared_ptr<detail::flat_storage> storage_;  // range_.size values; presence per layout position

@@ -13,10 +13,17 @@
 ///    to (a derived type, an expression the tensor type is built from; evaluated here). An
 ///    rvalue tries the tensor first: a view of a temporary would dangle.
 ///
+/// `adapt` may also return a `copied_view<T>` (the built-in backends do for an object that owns
+/// its storage given as an lvalue): the values are copied at insert into storage the entry
+/// keeps, since nothing tells such an lvalue from a temporary that `setOnes()` returned by
+/// reference. `gradaccum::view(x)` asks for x to be read in place instead.
+///
 /// T is X's own element type when X names one (`Scalar`, `value_type` or `elem_type`), so a
 /// conversion never changes element types. Anything else gets one static_assert that names
 /// the way out (`reject_input`).
 
+#include <cstddef>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -26,9 +33,55 @@
 #include "gradaccum/backend.hpp"
 #include "gradaccum/detail/variant.hpp"
 #include "gradaccum/error.hpp"
+#include "gradaccum/strided_view.hpp"
 #include "gradaccum/type_list.hpp"
 
+namespace gradaccum {
+
+/// @brief What a backend's `adapt` returns for values the library must not keep a view of: an
+/// object that owns its storage, given as an lvalue. No compiler tells `Eigen::VectorXf v; v`
+/// from `Eigen::VectorXf(n).setOnes()` (an lvalue reference to a temporary), so both are copied
+/// at insert: `gradients_params` copies the storage `view` spans into storage its entry keeps
+/// (reused by `insert_or_assign`) and reads the copy through the same strides. For a host
+/// backend whose `view<T>` is `strided_view<const T>`.
+template <class T>
+struct copied_view {
+  strided_view<const T> view;
+};
+
+/// @brief The object `insert` is given through `gradaccum::view(x)`: read in place.
+template <class X>
+struct in_place {
+  const X& object;
+};
+
+/// @brief Asks `gradients_params::insert` to read `x` in place rather than copy it, as it does
+/// an object that owns its storage: `x` must then outlive every accumulation call that reads it
+/// (a buffer the backward pass rewrites, inserted once). Maps, blocks, `Ref`s, xtensor views
+/// and adaptors are read in place without it. A temporary is refused (it would dangle).
+template <class X>
+[[nodiscard]] constexpr in_place<X> view(const X& x) noexcept {
+  return {x};
+}
+template <class X>
+void view(const X&&) = delete;
+
+}  // namespace gradaccum
+
 namespace gradaccum::detail {
+
+template <class B, class A>
+struct is_copied_view_of : std::false_type {};
+template <class B, class T>
+struct is_copied_view_of<B, copied_view<T>>
+    : std::bool_constant<has_views<B> && std::is_same_v<typename B::template view<T>, strided_view<const T>>> {};
+
+template <class X>
+struct in_place_object : std::false_type {};
+template <class X>
+struct in_place_object<in_place<X>> : std::true_type {
+  using type = X;
+};
 
 template <class X>
 struct declared_element {
@@ -59,7 +112,7 @@ using candidate_elements = std::conditional_t<
     std::conditional_t<list_contains<E, typename B::element_types>::value, type_list<E>, type_list<>>>;
 
 template <class A, class B>
-concept alternative_of = is_gradient_alternative<B, A>;
+concept alternative_of = is_gradient_alternative<B, A> || is_copied_view_of<B, std::remove_cvref_t<A>>::value;
 
 template <class B, class X>
 concept has_adapt = requires(X&& x) {
@@ -118,13 +171,13 @@ using converted_type =
 
 /// @brief Whether `X` (a forwarding reference type) can be a parameter or gradient of B.
 template <class B, class X>
-concept gradient_input = is_gradient_alternative<B, X> || has_adapt<B, X> || has_runtime_adapt<B, X> ||
-                         !std::is_void_v<converted_type<B, X>>;
+concept plain_gradient_input = is_gradient_alternative<B, X> || has_adapt<B, X> || has_runtime_adapt<B, X> ||
+                               !std::is_void_v<converted_type<B, X>>;
 
 /// The tensor or view that `x` goes in as (see the file comment).
 template <class B, class X>
-  requires gradient_input<B, X>
-decltype(auto) to_alternative(X&& x) {
+  requires plain_gradient_input<B, X>
+decltype(auto) plain_alternative(X&& x) {
   if constexpr (is_gradient_alternative<B, X>) {
     return std::forward<X>(x);
   } else if constexpr (has_adapt<B, X> || has_runtime_adapt<B, X>) {
@@ -132,6 +185,54 @@ decltype(auto) to_alternative(X&& x) {
   } else {
     return converted_type<B, X>(std::forward<X>(x));
   }
+}
+
+/// The view of `gradaccum::view(x)`'s object: what `adapt` makes of it, uncopied, or the
+/// `view<T>` it converts to; void when it has none (an expression, or a backend without views).
+template <class B, class X>
+auto in_place_view(const X& x) {
+  if constexpr (has_views<B> && requires { B::adapt(x); }) {
+    using A = std::remove_cvref_t<decltype(B::adapt(x))>;
+    if constexpr (is_copied_view_of<B, A>::value) {
+      return B::adapt(x).view;
+    } else if constexpr (has_views<B> && !std::is_void_v<element_of<B, A>> &&
+                         std::is_same_v<A, typename B::template view<element_of<B, A>>>) {
+      return B::adapt(x);
+    }
+  } else if constexpr (has_views<B>) {
+    using V = typename conversion_target<B, const X&, true, candidate_elements<B, X>>::type;
+    if constexpr (!std::is_void_v<V>) return V(x);
+  }
+}
+
+template <class B, class X>
+concept in_place_input = in_place_object<std::remove_cvref_t<X>>::value &&
+                         !std::is_void_v<decltype(in_place_view<B>(
+                             std::declval<const typename in_place_object<std::remove_cvref_t<X>>::type&>()))>;
+
+/// @brief Whether `X` (a forwarding reference type) can be a parameter or gradient of B.
+template <class B, class X>
+concept gradient_input = plain_gradient_input<B, X> || in_place_input<B, X>;
+
+/// The tensor or view that `x` goes in as (see the file comment).
+template <class B, class X>
+  requires gradient_input<B, X>
+decltype(auto) to_alternative(X&& x) {
+  if constexpr (in_place_input<B, X>) {
+    return in_place_view<B>(x.object);
+  } else {
+    return plain_alternative<B>(std::forward<X>(x));
+  }
+}
+
+/// The view inside a `copied_view`, else `x`: what a parameter's shape and device are read from.
+template <class X>
+constexpr const X& uncopied(const X& x) noexcept {
+  return x;
+}
+template <class T>
+constexpr const strided_view<const T>& uncopied(const copied_view<T>& x) noexcept {
+  return x.view;
 }
 
 /// `to_alternative`, with the backend's refusals named after `id`: a shape it cannot represent (a
@@ -170,7 +271,10 @@ inline constexpr bool refused_input = false;
 /// The one diagnostic for a type that cannot go in; the instantiation note names X.
 template <class B, class X>
 void reject_input() {
-  static_assert(refused_input<X>,
+  static_assert(!in_place_object<std::remove_cvref_t<X>>::value,
+                "gradaccum::view(x): x has no storage that the backend can read in place (an expression, or a "
+                "backend without views); insert x itself to have it evaluated or copied");
+  static_assert(in_place_object<std::remove_cvref_t<X>>::value || refused_input<X>,
                 "gradaccum: this type cannot be a parameter or gradient of the backend (see X in the note "
                 "below): evaluate it into the backend's tensor<T> (T one of its element_types), or make it "
                 "convertible to the backend's view<T> or tensor<T>, or give the backend a "

@@ -11,13 +11,17 @@
 ///
 /// What goes in, and as what (`eigen_backend::adapt`):
 /// - `Eigen::Matrix<T, Dynamic, Dynamic>` (`tensor<T>`): stored, copied or moved.
-/// - Any other object with direct access to its storage — fixed-size or row-major matrices,
-///   arrays, `Map` (const or mutable, with strides), `Ref`, blocks, rows, columns, transposes —
-///   and an `Eigen::Tensor` / `Eigen::TensorMap` of rank up to `gradaccum::max_rank`: read in
-///   place through its strides (`view<T>`, a `gradaccum::strided_view`); the memory must outlive
-///   the accumulation call. A temporary that owns its storage (`Eigen::VectorXf(...)` as an
-///   argument) is copied into a `tensor<T>` instead; a temporary `Eigen::Tensor` is refused (keep
-///   it in a variable).
+/// - An object that does not own its storage — `Map` (const or mutable, with strides), `Ref`,
+///   blocks, rows, columns, transposes, `Eigen::TensorMap` of rank up to `gradaccum::max_rank`:
+///   read in place through its strides (`view<T>`, a `gradaccum::strided_view`); the memory must
+///   outlive the accumulation call.
+/// - Any other object that owns its storage — vectors, fixed-size or row-major matrices, arrays,
+///   `Eigen::Tensor`: copied at insert, as its storage is laid out, into storage the entry keeps
+///   (reused by `insert_or_assign`, so no allocation per microbatch), then read like a view. An
+///   lvalue is copied too: `Eigen::VectorXf(n).setOnes()` is an lvalue reference to a temporary,
+///   which no compiler tells from a named vector. `gradaccum::view(v)` reads `v` in place instead
+///   (v must then outlive the accumulation calls). A temporary vector or matrix is copied into a
+///   `tensor<T>`.
 /// - An expression (`2.0F * g`, `MatrixXf::Constant(2, 3, 1.0F)`): evaluated once, at insert,
 ///   into a `tensor<T>`.
 ///
@@ -33,6 +37,8 @@
 /// params.add("fc.bias", bias);                       // Eigen::VectorXf: shape [n]
 /// grads.insert("fc.weight", dW.block(0, 0, 2, 3));   // read in place, strided
 /// grads.insert("fc.bias", 2.0F * db);                // evaluated once, here
+/// grads.insert("emb", emb_grad);                     // an Eigen::VectorXf: copied
+/// grads.insert("head", gradaccum::view(head_grad));  // read in place: must outlive the calls
 /// @endcode
 
 #include <array>
@@ -45,6 +51,7 @@
 #include <Eigen/Core>
 
 #include "gradaccum/backend.hpp"
+#include "gradaccum/detail/gradient_input.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/kernels.hpp"
@@ -149,18 +156,25 @@ struct eigen_backend {
     return {x.data(), tensor_shape(std::span<const std::size_t>(dims)), std::span<const std::ptrdiff_t>(strides)};
   }
 
-  /// @brief Any other dense object, as the file comment says: a view of storage, a copy of a
-  /// temporary that owns its storage, or an evaluated expression.
+  /// @brief Any other dense object, as the file comment says: a view of storage that the object
+  /// does not own, a copy of one that does (`copied_view`: an lvalue such as
+  /// `Eigen::VectorXf(n).setOnes()` may be a temporary), or an evaluated expression.
   template <class Y, class X = std::remove_cvref_t<Y>>
     requires detail::eigen_dense<X> || detail::eigen_tensor_storage<X>
   static auto adapt(Y&& y) {
     if constexpr (detail::eigen_tensor_storage<X>) {
-      static_assert(std::is_lvalue_reference_v<Y> || !detail::eigen_owning<X>,
-                    "gradaccum::eigen_backend: a temporary Eigen::Tensor would dangle; keep it in a variable "
-                    "(it is then read in place)");
-      return view_of(y);
-    } else if constexpr (detail::eigen_direct<X> && (std::is_lvalue_reference_v<Y> || !detail::eigen_owning<X>)) {
-      return view_of(y);
+      if constexpr (detail::eigen_owning<X>) {
+        return copied_view<typename X::Scalar>{view_of(y)};
+      } else {
+        return view_of(y);
+      }
+    } else if constexpr (detail::eigen_direct<X> && !detail::eigen_owning<X>) {
+      return view_of(y);  // a map, block, row, column or transpose: the caller's memory
+    } else if constexpr (detail::eigen_direct<X> && std::is_lvalue_reference_v<Y> &&
+                         std::is_base_of_v<Eigen::RefBase<X>, X>) {
+      return view_of(y);  // a named Ref: a view by type (what it evaluated lives as long as it does)
+    } else if constexpr (detail::eigen_direct<X> && std::is_lvalue_reference_v<Y>) {
+      return copied_view<typename X::Scalar>{view_of(y)};
     } else {
       return tensor<typename X::Scalar>(std::forward<Y>(y));
     }

@@ -4,8 +4,9 @@
 ///
 /// xtensor already gives containers of any element type, rank and layout, `xt::adapt` views of
 /// caller memory, strided views and lazy expressions. This header adds the traits that let the
-/// core accumulate them: containers and strided views are read in place through their strides,
-/// other expressions are evaluated once at insert (see `xtensor_backend`), for element types
+/// core accumulate them: adaptors and strided views are read in place through their strides,
+/// containers are copied (`gradaccum::view(c)` reads one in place), other expressions are
+/// evaluated once at insert (see `xtensor_backend`), for element types
 /// `float`, `double` and the two 16-bit storage types below. The fused convert-scale-add runs the
 /// core's kernels on the raw storage, so the arithmetic is the same instruction for instruction
 /// as every other CPU backend's (bit-identical results), with or without xsimd.
@@ -35,6 +36,7 @@
 #endif
 
 #include "gradaccum/backend.hpp"
+#include "gradaccum/detail/gradient_input.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/kernels.hpp"
 #include "gradaccum/shape.hpp"
@@ -107,11 +109,14 @@ concept xtensor_strided = requires(const X& x) {
 /// row-major `xt::xarray`s (the layout is fixed here rather than taken from
 /// `XTENSOR_DEFAULT_LAYOUT`), so record values are a plain copy of the storage. Everything else
 /// goes in through `adapt`:
+/// - an `xt::adapt` of const or mutable memory and a strided view (`xt::view` of ranges,
+///   `xt::transpose`, `xt::strided_view`) are read in place through their strides (`view<T>`, a
+///   `gradaccum::strided_view`); the memory must outlive the accumulation call;
 /// - a container of another type or layout (`xt::xtensor<T, N>`, `xt::xtensor_fixed`, a
-///   column-major `xt::xarray`), an `xt::adapt` of const or mutable memory, and a strided view
-///   (`xt::view` of ranges, `xt::transpose`, `xt::strided_view`) are read in place through their
-///   strides (`view<T>`, a `gradaccum::strided_view`); the memory must outlive the accumulation
-///   call. A temporary container is copied into a `tensor<T>` instead;
+///   column-major `xt::xarray`), lvalue or not, is copied at insert: an lvalue into storage the
+///   entry keeps (reused by `insert_or_assign`), read like a view (`c += 1` is an lvalue
+///   reference to whatever `c` is, a temporary too), a temporary into a `tensor<T>`.
+///   `gradaccum::view(c)` reads a container in place instead (c must outlive the calls);
 /// - any other expression (`2.0F * h`, `xt::ones<float>({2, 3})`) is evaluated once, at insert,
 ///   into a `tensor<T>`.
 ///
@@ -163,8 +168,11 @@ struct xtensor_backend {
   template <class Y, class X = std::remove_cvref_t<Y>>
     requires detail::xtensor_input<X, element_types>
   static auto adapt(Y&& y) {
-    if constexpr (detail::xtensor_strided<X> && (std::is_lvalue_reference_v<Y> || !detail::xtensor_owning<X>)) {
+    if constexpr (detail::xtensor_strided<X> && !detail::xtensor_owning<X>) {
       return view_of(y);
+    } else if constexpr (detail::xtensor_strided<X> && std::is_lvalue_reference_v<Y>) {
+      // May be a temporary: `c += 1` returns an lvalue reference whatever c is.
+      return copied_view<typename X::value_type>{view_of(y)};
     } else {
       return tensor<typename X::value_type>(std::forward<Y>(y));
     }
