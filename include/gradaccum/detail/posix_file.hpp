@@ -156,6 +156,23 @@ class file_source final : public sized_streambuf {
     return unread_ + static_cast<std::uint64_t>(egptr() - gptr());
   }
 
+  /// Up to `count` of the next bytes, not consumed: at most the buffer's 64 KiB, fewer only at
+  /// the end of the file (or after a failed read).
+  std::string_view peek(std::size_t count) override {
+    if (static_cast<std::size_t>(egptr() - gptr()) < count && gptr() != buffer_.data()) {
+      // Move what is left to the front, so the rest of `count` fits behind it.
+      const auto left = static_cast<std::size_t>(egptr() - gptr());
+      std::memmove(buffer_.data(), gptr(), left);
+      setg(buffer_.data(), buffer_.data(), buffer_.data() + left);
+    }
+    const auto held = static_cast<std::size_t>(egptr() - gptr());
+    if (held < count && held < buffer_.size()) {
+      const std::size_t got = read_some(egptr(), buffer_.size() - held);
+      setg(buffer_.data(), buffer_.data(), egptr() + got);
+    }
+    return {gptr(), std::min(count, static_cast<std::size_t>(egptr() - gptr()))};
+  }
+
   /// The whole rest of the file.
   std::string read_all() {
     std::string bytes(static_cast<std::size_t>(remaining()), '\0');
