@@ -336,8 +336,7 @@ TEST_CASE("a binary checkpoint holds a window's values as one block, straight fr
 }
 
 TEST_CASE("large values are hashed while they load: a changed bit anywhere is refused, nothing changes") {
-  // 3,000,001 floats (over 8 MiB, so a worker thread hashes them as the pieces arrive; an odd
-  // count, so the last piece and the last hand-off are partial) beside a small tensor.
+  // 3,000,001 floats (an odd count, so the last 32 KiB piece is partial) beside a small tensor.
   constexpr std::size_t large = 3'000'001;
   parameter_set<eigen_backend> params;
   params.add("a.small", tensor_shape{3}, {});
