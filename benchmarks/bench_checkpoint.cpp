@@ -14,13 +14,11 @@
 ///                    restore into the accumulator;
 ///  - `ours_record`   the same without the accumulator: save_checkpoint(path, record) of a record
 ///                    taken beforehand, load_checkpoint<weighted_gradients_record>(path);
-///  - `checksum`      (binary, one tensor) only the XXH3-64 a save adds below 8 MiB: it hashes each
-///                    256 KiB piece right before the piece is written, so the piece is in cache and
-///                    the read from memory is the copy's, paid without a checksum too. The peer
+///  - `checksum`      (binary, one tensor) only the XXH3-64 a save adds: it hashes each 256 KiB
+///                    piece right before the piece is written, so the piece is in cache and the
+///                    read from memory is the copy's, paid without a checksum too. The peer
 ///                    hashes one cache-resident piece as many times as the window has pieces; its
-///                    time over `ours_eigen`'s save is the checksum's share, bound ≤ 5 %. (A save
-///                    or load of 8 MiB of values or more hashes them on a worker thread while it
-///                    writes them, or reads the next pieces.)
+///                    time over `ours_eigen`'s save is the checksum's share, bound ≤ 5 %.
 ///  - `pieces`, `pieces_hashed` (binary, one tensor) the hand peer's fwrite / fread in those
 ///                    pieces (256 KiB saved, 32 KiB loaded) (loads into one reused buffer, as an accumulator's),
 ///                    without and with XXH3-64 on the calling thread after each piece: `ours_eigen`'s load, checksum

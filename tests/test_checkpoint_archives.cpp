@@ -163,20 +163,22 @@ TEST_CASE("binary archives keep every bit of a NaN; text archives keep it a NaN"
   }
 }
 
-TEST_CASE("text archives name every field, write dtypes as names and carry the format version") {
+TEST_CASE("text archives name every field and record type, write dtypes as names and carry the format version") {
   const weighted_gradients_record record{{{{"fc1.bias", float_dtype::f32, {1, 2}, std::vector<float>{0.5F, -2.0F}}}},
                                          {float_dtype::f32, 1024.0, 3.0, 2}};
   const std::string json = serialize_checkpoint(record, checkpoint_format::json);
   for (const char* expected :
-       {"\"weighted_gradients_record\": {", "\"cereal_class_version\": 4", "\"state\": {", "\"dtype\": \"F32\"",
-        "\"loss_scale\": 1024.0", "\"total_weight\": 3.0", "\"microbatches\": 2", "\"gradients\": {", "\"tensors\": [",
-        "\"id\": \"fc1.bias\"", "\"shape\": [", "\"values\": \"0.5 -2\""}) {
+       {"\"weighted_gradients_record\": {", "\"cereal_class_version\": 5", "\"record\": \"weighted_gradients_record\"",
+        "\"record\": \"weighted_accumulation_state\"", "\"record\": \"gradients_params_record\"", "\"state\": {",
+        "\"dtype\": \"F32\"", "\"loss_scale\": 1024.0", "\"total_weight\": 3.0", "\"microbatches\": 2",
+        "\"gradients\": {", "\"tensors\": [", "\"id\": \"fc1.bias\"", "\"shape\": [", "\"values\": \"0.5 -2\""}) {
     CHECK_MESSAGE(json.find(expected) != std::string::npos, "JSON lacks " << expected << ":\n" << json);
   }
   const std::string xml = serialize_checkpoint(record, checkpoint_format::xml);
-  for (const char* expected : {"<weighted_gradients_record>", "<cereal_class_version>4</cereal_class_version>",
-                               "<dtype>F32</dtype>", "<loss_scale>1024</loss_scale>", "<microbatches>2</microbatches>",
-                               "<id>fc1.bias</id>", "<shape size=\"dynamic\">", "<values>0.5 -2</values>"}) {
+  for (const char* expected :
+       {"<weighted_gradients_record>", "<cereal_class_version>5</cereal_class_version>",
+        "<record>weighted_gradients_record</record>", "<dtype>F32</dtype>", "<loss_scale>1024</loss_scale>",
+        "<microbatches>2</microbatches>", "<id>fc1.bias</id>", "<shape size=\"dynamic\">", "<values>0.5 -2</values>"}) {
     CHECK_MESSAGE(xml.find(expected) != std::string::npos, "XML lacks " << expected << ":\n" << xml);
   }
   // 16-bit values are their bit patterns: 0x3c00 is F16 1.0.
@@ -288,3 +290,27 @@ TEST_CASE("Eigen and xtensor restore each other's records exactly, in every arch
   }
 }
 #endif
+
+TEST_CASE_TEMPLATE("a plain archive(record) of another record type is refused naming both", Archives,
+                   GRADACCUM_TEST_ARCHIVES) {
+  const weighted_gradients_record window{{{{"w", float_dtype::f32, {1, 1}, std::vector<float>{2.0F}}}},
+                                         {float_dtype::f32, 1.0, 1.0, 1}};
+  const auto refused = [](const std::string& bytes, const auto& expected_type, const std::string& message) {
+    using R = std::decay_t<decltype(expected_type)>;
+    try {
+      (void)load_plain<Archives, R>(bytes);
+      FAIL("loaded");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::invalid_record);
+      CHECK(std::string(e.what()) == message);
+    }
+  };
+  refused(save_plain<Archives>(window), gradients_params_record{},
+          "expected a gradients_params_record, but the input holds a weighted_gradients_record.");
+  refused(save_plain<Archives>(window.gradients), weighted_accumulation_state{},
+          "expected a weighted_accumulation_state, but the input holds a gradients_params_record.");
+  refused(save_plain<Archives>(window.state), dynamic_loss_scale_state{},
+          "expected a dynamic_loss_scale_state, but the input holds a weighted_accumulation_state.");
+  refused(save_plain<Archives>(dynamic_loss_scale_state{}), weighted_gradients_record{},
+          "expected a weighted_gradients_record, but the input holds a dynamic_loss_scale_state.");
+}

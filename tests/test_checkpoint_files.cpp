@@ -153,22 +153,105 @@ TEST_CASE("the extension names the format in any case; another extension is refu
   CHECK(directory.files().empty());
 }
 
-TEST_CASE("a checkpoint read as another format than it was written in is rejected, not misread") {
+TEST_CASE("a checkpoint read as another archive or record type is refused naming what it holds") {
   const scratch_directory directory;
-  const weighted_gradients_record record = window_after(test::window::make_parameters<backend>(), 3).try_to_record();
+  const parameter_set<backend> params = test::window::make_parameters<backend>();
+  const auto window = window_after(params, 3);
+  const weighted_gradients_record record = window.try_to_record();
+  const dynamic_loss_scale scaler;
+  const auto description = [](checkpoint_format format) {
+    switch (format) {
+      case checkpoint_format::binary: return std::string("a binary archive");
+      case checkpoint_format::portable_binary: return std::string("a portable binary archive");
+      case checkpoint_format::json: return std::string("a JSON document");
+      case checkpoint_format::xml: break;
+    }
+    return std::string("an XML document");
+  };
+  // What is written: each record type, and a window with its loss scale.
+  const std::vector<std::string> written_kinds = {"weighted_gradients_record", "gradients_params_record",
+                                                  "weighted_accumulation_state", "window_and_scale"};
+  // What is read: each record type, and an accumulator without and with its scaler.
+  const std::vector<std::string> read_kinds = {"weighted_gradients_record", "gradients_params_record",
+                                               "weighted_accumulation_state", "accumulator", "accumulator_and_scaler"};
   for (checkpoint_format written : test::all_formats) {
-    const fs::path path = directory / "window.data";
-    save_checkpoint(path, record, written);
-    for (checkpoint_format read : test::all_formats) {
-      if (read == written) continue;
-      CAPTURE(written);
-      CAPTURE(read);
-      try {
-        (void)load_checkpoint<weighted_gradients_record>(path, read);
-        FAIL("read a " << to_string(written) << " checkpoint as " << to_string(read));
-      } catch (const error& e) {
-        CHECK((e.code() == errc::invalid_record || e.code() == errc::invalid_state));
-        CHECK(std::string(e.what()).find(path.string()) != std::string::npos);
+    for (const std::string& written_kind : written_kinds) {
+      const fs::path path = directory / "checkpoint.data";
+      if (written_kind == "weighted_gradients_record") save_checkpoint(path, record, written);
+      if (written_kind == "gradients_params_record") save_checkpoint(path, record.gradients, written);
+      if (written_kind == "weighted_accumulation_state") save_checkpoint(path, record.state, written);
+      if (written_kind == "window_and_scale") save_checkpoint(path, window, scaler, written);
+      const std::string written_record =
+          written_kind == "window_and_scale" ? "weighted_gradients_record" : written_kind;
+      for (checkpoint_format read : test::all_formats) {
+        const std::string prefix = "checkpoint " + detail::quote(path.string()) + ": ";
+        if (read != written) {
+          const std::string other_archive = prefix + "checkpoint is " + description(written) + ", not " +
+                                            description(read) + "; load it as " + std::string(to_string(written)) + ".";
+          try {
+            (void)checkpoint_version(path, read);
+            FAIL("checkpoint_version read a " << to_string(written) << " checkpoint as " << to_string(read));
+          } catch (const error& e) {
+            CHECK(e.code() == errc::invalid_record);
+            CHECK(std::string(e.what()) == other_archive);
+          }
+        } else {
+          CHECK(checkpoint_version(path, read) == record_format_version);
+        }
+        for (const std::string& read_kind : read_kinds) {
+          CAPTURE(written);
+          CAPTURE(written_kind);
+          CAPTURE(read);
+          CAPTURE(read_kind);
+          const bool into_accumulator = read_kind.starts_with("accumulator");
+          const std::string read_record = into_accumulator ? "weighted_gradients_record" : read_kind;
+          const bool with_scaler = read_kind == "accumulator_and_scaler";
+          const bool saved_scale = written_kind == "window_and_scale";
+          if (read == written && read_record == written_record && (!into_accumulator || with_scaler == saved_scale)) {
+            continue;  // a matching read: loads (tested elsewhere)
+          }
+          std::string expected;  // the whole message, or, where it holds a size, a part of it
+          if (read != written) {
+            expected = prefix + "checkpoint is " + description(written) + ", not " + description(read) +
+                       "; load it as " + std::string(to_string(written)) + ".";
+          } else if (read_record != written_record) {
+            expected = prefix + "expected a " + read_record + ", but the input holds a " + written_record + ".";
+          } else if (with_scaler) {
+            expected = prefix +
+                       "checkpoint holds no dynamic loss scale after its weighted_gradients_record; load it "
+                       "without a scaler.";
+          } else {
+            expected = detail::is_text_format(read)
+                           ? prefix + "checkpoint holds more than its weighted_gradients_record"
+                           : "bytes after its record; it is not one " + std::string(to_string(read)) + " record";
+            expected +=
+                " (a window saved with its dynamic_loss_scale loads with load_checkpoint(path, params, "
+                "accumulator, scaler)).";
+          }
+          weighted_gradients_accumulator<backend> target(float_dtype::f64, 2.0);
+          dynamic_loss_scale target_scaler(dynamic_loss_scale_options{1024.0});
+          try {
+            if (read_kind == "weighted_gradients_record") (void)load_checkpoint<weighted_gradients_record>(path, read);
+            if (read_kind == "gradients_params_record") (void)load_checkpoint<gradients_params_record>(path, read);
+            if (read_kind == "weighted_accumulation_state") {
+              (void)load_checkpoint<weighted_accumulation_state>(path, read);
+            }
+            if (read_kind == "accumulator") load_checkpoint(path, params, target, read);
+            if (read_kind == "accumulator_and_scaler") load_checkpoint(path, params, target, target_scaler, read);
+            FAIL("loaded");
+          } catch (const error& e) {
+            CHECK(e.code() == errc::invalid_record);
+            CHECK(e.param_id().empty());
+            const std::string message = e.what();
+            if (expected.starts_with(prefix)) {
+              CHECK(message == expected);
+            } else {
+              CHECK_MESSAGE(message.ends_with(expected), message);
+            }
+          }
+          CHECK(target.try_to_record() == weighted_gradients_record{{}, {float_dtype::f64, 2.0, 0.0, 0}});
+          CHECK(target_scaler.state() == dynamic_loss_scale_state{1024.0, 0, 1});
+        }
       }
     }
   }

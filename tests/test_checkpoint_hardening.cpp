@@ -99,44 +99,40 @@ class binary_bytes {
  public:
   binary_bytes& u8(std::uint8_t value) { return raw(&value, sizeof value); }
   binary_bytes& u32(std::uint32_t value) { return raw(&value, sizeof value); }
-  /// One tensor's directory entry (format 3): id length, id, dtype code, rank, dimensions.
-  binary_bytes& entry(std::string_view id, std::uint8_t dtype_code, std::initializer_list<std::uint64_t> shape) {
+  /// One tensor's directory entry: id length, id, dtype code, rank, dimensions, values' offset.
+  binary_bytes& entry(std::string_view id, std::uint8_t dtype_code, std::initializer_list<std::uint64_t> shape,
+                      std::uint64_t offset) {
     u32(static_cast<std::uint32_t>(id.size())).raw(id.data(), id.size()).u8(dtype_code);
     u8(static_cast<std::uint8_t>(shape.size()));
     for (std::uint64_t dim : shape) u64(dim);
-    return *this;
-  }
-  /// One tensor's directory entry of format 4: that of format 3, then its values' offset.
-  binary_bytes& entry(std::string_view id, std::uint8_t dtype_code, std::initializer_list<std::uint64_t> shape,
-                      std::uint64_t offset) {
-    return entry(id, dtype_code, shape).u64(offset);
+    return u64(offset);
   }
   binary_bytes& values(std::initializer_list<float> values) {
     for (float value : values) raw(&value, sizeof value);
     return *this;
   }
-  /// The format version, written before the first object of each record type: 2, which has no
-  /// checksums, so forged content reaches the checks behind them.
-  binary_bytes& version() { return u32(oldest_record_format_version); }
+  /// A record's start: the format version (cereal writes it before the first object of each
+  /// record type) and the tag that names its type.
+  binary_bytes& start(std::string_view magic) { return u32(record_format_version).raw(magic.data(), magic.size()); }
   binary_bytes& u64(std::uint64_t value) { return raw(&value, sizeof value); }
   binary_bytes& f64(double value) { return raw(&value, sizeof value); }
   binary_bytes& text(std::string_view value) { return u64(value.size()).raw(value.data(), value.size()); }
-  binary_bytes& floats(std::initializer_list<float> values) {
-    u64(values.size());
-    for (float value : values) raw(&value, sizeof value);
-    return *this;
-  }
-  /// version, dtype, loss scale, total weight, microbatches.
+  /// A state's fields and its checksum, computed over what is written (so forged values reach
+  /// the checks behind it); a `dtype` that is no dtype's name is hashed as F32.
   binary_bytes& state(std::string_view dtype, double loss_scale, double total_weight, std::uint64_t microbatches) {
-    return version().text(dtype).f64(loss_scale).f64(total_weight).u64(microbatches);
+    const float_dtype hashed = parse_float_dtype(dtype).value_or(float_dtype::f32);
+    start("gradaccS").text(dtype).f64(loss_scale).f64(total_weight).u64(microbatches);
+    return u64(detail::state_checksum({hashed, loss_scale, total_weight, microbatches}));
   }
-  /// A tensor's id, dtype and shape; its version only for the first tensor of an archive.
-  binary_bytes& tensor_head(bool first, std::string_view id, std::string_view dtype,
-                            std::initializer_list<std::uint64_t> shape) {
-    if (first) version();
-    text(id).text(dtype).u64(shape.size());
-    for (std::uint64_t dim : shape) u64(dim);
-    return *this;
+  /// A gradients record of `count` tensors: `directory`, a values block of `block_bytes` whose
+  /// bytes are `block`, and checksums that match them.
+  binary_bytes& gradients(std::uint64_t count, const std::string& directory, const std::string& block,
+                          std::uint64_t block_bytes) {
+    detail::content_hash values;
+    values.add_bytes(block.data(), block.size());
+    start("gradaccG").u64(count).u64(directory.size()).raw(directory.data(), directory.size());
+    u64(block_bytes).u64(detail::directory_checksum(count, directory, block_bytes));
+    return raw(block.data(), block.size()).u64(values.digest());
   }
   binary_bytes& raw(const void* data, std::size_t size) {
     bytes_.append(static_cast<const char*>(data), size);
@@ -148,38 +144,46 @@ class binary_bytes {
   std::string bytes_;
 };
 
-/// `record` as a JSON or XML document of format 2, which has no checksums, so edits to its
-/// content reach the checks behind them.
-template <class R>
-std::string format_2_document(const R& record, checkpoint_format format) {
-  const std::string current = serialize_checkpoint(record, format);
-  if (format == checkpoint_format::json) {
-    const std::string unversioned = std::regex_replace(current, std::regex(",\n *\"checksum\": [0-9]+"), "");
-    return std::regex_replace(unversioned, std::regex("\"cereal_class_version\": 4"), "\"cereal_class_version\": 2");
-  }
-  const std::string unversioned = std::regex_replace(current, std::regex("\t*<checksum>[0-9]+</checksum>\n"), "");
-  return std::regex_replace(unversioned, std::regex("<cereal_class_version>4<"), "<cereal_class_version>2<");
+/// A binary window record of a valid F32 state and the given gradients record, under checksums
+/// that match, so each check behind them is reached.
+std::string forged_window(std::uint64_t count, const std::string& directory, const std::string& block,
+                          std::uint64_t block_bytes) {
+  binary_bytes bytes;
+  bytes.start("gradaccW").state("F32", 1.0, 1.0, 1).gradients(count, directory, block, block_bytes);
+  return bytes.str();
 }
 
-/// A window record with two tensors: 'b' [1, 2] = {0.5, -1}, 'w' [2, 3] = {1, ..., 6}.
-binary_bytes valid_window_bytes() {
+/// A binary window record of the given state and no tensors.
+std::string window_with_state(std::string_view dtype, double loss_scale, double total_weight,
+                              std::uint64_t microbatches) {
   binary_bytes bytes;
-  bytes.version().state("F32", 1024.0, 7.0, 2).version().u64(2);
-  bytes.tensor_head(true, "b", "F32", {1, 2}).floats({0.5F, -1.0F});
-  bytes.tensor_head(false, "w", "F32", {2, 3}).floats({1, 2, 3, 4, 5, 6});
-  return bytes;
+  bytes.start("gradaccW").state(dtype, loss_scale, total_weight, microbatches).gradients(0, "", "", 0);
+  return bytes.str();
+}
+
+/// `document` (JSON or XML) with its state's `field` set to `text` and the state's checksum
+/// recomputed for `state`, the state that `text` reads as, so the edit reaches the checks behind
+/// the checksum.
+std::string with_state(std::string document, checkpoint_format format, std::string_view field, std::string_view text,
+                       const weighted_accumulation_state& state) {
+  const bool json = format == checkpoint_format::json;
+  // The text of the first `name`'s value: after `"name": ` up to a comma or line end in JSON,
+  // after `<name>` up to the next tag in XML.
+  const auto replace_value = [&](std::string_view name, std::string_view value) {
+    const std::string key = json ? "\"" + std::string(name) + "\": " : "<" + std::string(name) + ">";
+    const std::size_t at = document.find(key);
+    REQUIRE_MESSAGE(at != std::string::npos, "no " << key << " in\n" << document);
+    const std::size_t from = at + key.size();
+    document.replace(from, document.find_first_of(json ? ",\n" : "<", from) - from, value);
+  };
+  replace_value(field, text);
+  replace_value("checksum", std::to_string(detail::state_checksum(state)));  // the state's is the first
+  return document;
 }
 
 const weighted_gradients_record valid_window{{{{"b", float_dtype::f32, {1, 2}, std::vector<float>{0.5F, -1.0F}},
                                                {"w", float_dtype::f32, {2, 3}, std::vector<float>{1, 2, 3, 4, 5, 6}}}},
                                              {float_dtype::f32, 1024.0, 7.0, 2}};
-
-/// Starts a window record: version, a valid F32 state, the gradients' version and `count`.
-binary_bytes window_head(std::uint64_t count) {
-  binary_bytes bytes;
-  bytes.version().state("F32", 1.0, 1.0, 1).version().u64(count);
-  return bytes;
-}
 
 /// Checks that parsing `bytes` as a window record in `format` throws `error` with `code`,
 /// naming `param_id`, with every one of `phrases` in the message.
@@ -242,44 +246,24 @@ class scratch_file {
 
 }  // namespace
 
-TEST_CASE("the binary layout is the documented one: fields in order, a directory, then one block of values") {
-  // Format 4 ends a state with the checksum of its content, and holds a gradients record's
-  // tensors as one directory (each entry with its values' offset in the block), the block's
-  // size, the directory's checksum, the block and the block's checksum.
+TEST_CASE("the binary layout is the documented one: tags, fields in order, a directory, then one block of values") {
+  // Every record starts with its version and tag; a state ends with the checksum of its
+  // content; a gradients record holds its tensors as one directory (each entry with its values'
+  // offset in the block), the block's size, the directory's checksum, the block and the block's
+  // checksum.
   binary_bytes block;
   block.values({0.5F, -1.0F}).values({1, 2, 3, 4, 5, 6});
-  detail::content_hash values;
-  values.add_bytes(block.str().data(), block.str().size());
-  binary_bytes current;
-  current.u32(4).u32(4).text("F32").f64(1024.0).f64(7.0).u64(2).u64(detail::state_checksum(valid_window.state));
   binary_bytes directory;
   directory.entry("b", 2, {1, 2}, 0).entry("w", 2, {2, 3}, 8);
-  current.u32(4).u64(2).u64(directory.str().size()).raw(directory.str().data(), directory.str().size());
-  current.u64(block.str().size()).u64(detail::directory_checksum(2, directory.str(), block.str().size()));
-  current.raw(block.str().data(), block.str().size()).u64(values.digest());
-  CHECK(current.str() == serialize_checkpoint(valid_window, checkpoint_format::binary));
-  // Format 3 held the values back to back after a directory without offsets, under one
-  // checksum of each tensor's header and values; it still loads.
-  detail::content_hash tensors;
-  const float b[] = {0.5F, -1.0F};
-  const float w[] = {1, 2, 3, 4, 5, 6};
-  const std::uint64_t b_shape[] = {1, 2};
-  const std::uint64_t w_shape[] = {2, 3};
-  detail::hash_tensor_header(tensors, "b", float_dtype::f32, b_shape, 2);
-  tensors.add_values(std::span<const float>(b));
-  detail::hash_tensor_header(tensors, "w", float_dtype::f32, w_shape, 6);
-  tensors.add_values(std::span<const float>(w));
-  binary_bytes format_3;
-  format_3.u32(3).u32(3).text("F32").f64(1024.0).f64(7.0).u64(2).u64(detail::state_checksum(valid_window.state));
-  binary_bytes directory_3;
-  directory_3.entry("b", 2, {1, 2}).entry("w", 2, {2, 3});
-  format_3.u32(3).u64(2).u64(directory_3.str().size()).raw(directory_3.str().data(), directory_3.str().size());
-  format_3.values({0.5F, -1.0F}).values({1, 2, 3, 4, 5, 6}).u64(tensors.digest());
-  GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(format_3.str(), checkpoint_format::binary),
-                            valid_window);
-  // Format 2 is the same without checksums, and still loads.
-  GRADACCUM_CHECK_SAME_BITS(
-      parse_checkpoint<weighted_gradients_record>(valid_window_bytes().str(), checkpoint_format::binary), valid_window);
+  binary_bytes expected;
+  expected.u32(5).raw("gradaccW", 8).u32(5).raw("gradaccS", 8).text("F32").f64(1024.0).f64(7.0).u64(2);
+  expected.u64(detail::state_checksum(valid_window.state));
+  expected.gradients(2, directory.str(), block.str(), block.str().size());
+  CHECK(expected.str().substr(0, 28) == std::string("\x05\0\0\0gradaccW\x05\0\0\0gradaccS\x03\0\0\0\0\0\0\0", 28));
+  CHECK(expected.str() == serialize_checkpoint(valid_window, checkpoint_format::binary));
+  // A portable binary archive starts with its byte-order byte (1: little-endian), then the same.
+  CHECK(serialize_checkpoint(valid_window, checkpoint_format::portable_binary).substr(0, 13) ==
+        std::string("\x01\x05\0\0\0gradaccW", 13));
 }
 
 TEST_CASE("every truncation is refused with a named problem, and a failed load changes nothing") {
@@ -355,51 +339,42 @@ TEST_CASE("flipped bits either load as another valid record or are refused; noth
 
 TEST_CASE("absurd counts, lengths and shapes are refused before anything of their size is allocated") {
   constexpr std::uint64_t huge = std::uint64_t{1} << 60;
+  const auto head = [](std::uint64_t count, std::uint64_t directory_bytes) {
+    binary_bytes bytes;
+    bytes.start("gradaccW").state("F32", 1.0, 1.0, 1).start("gradaccG").u64(count).u64(directory_bytes);
+    return bytes.str();
+  };
+  binary_bytes huge_id;
+  huge_id.u32(0xFFFFFFFFU).raw("wwwwwwwwwwwwwwwwwwww", 20);  // long enough for one entry
+  binary_bytes overflowing;
+  overflowing.entry("w", 2, {1u << 31, 1u << 31, 1u << 31}, 0);
+  binary_bytes huge_shape;
+  huge_shape.entry("w", 2, {1000000, 1000000}, 0);
   struct forged {
     const char* what;
     std::string bytes;
-    errc code;
     const char* param_id;
     std::vector<std::string_view> phrases;
   };
   const std::vector<forged> cases = {
-      {"tensor count", window_head(huge).str(), errc::invalid_record, "", {"'tensors'", "truncated"}},
-      {"id length", window_head(1).version().u64(huge).str(), errc::invalid_record, "", {"'id'", "allowed"}},
-      {"dtype name length",
-       window_head(1).version().text("w").u64(1000).str(),
-       errc::invalid_record,
-       "w",
-       {"'dtype'", "1000 bytes, more than the 8 allowed"}},
-      {"rank",
-       window_head(1).version().text("w").text("F32").u64(huge).str(),
-       errc::invalid_record,
-       "w",
-       {"rank 1152921504606846976", "supported 8"}},
+      {"tensor count", head(huge, 0) + std::string(16, '\0'), "", {"declares 1152921504606846976 tensors"}},
+      {"directory size", head(1, huge), "", {"more than the entries of its 1 tensors take"}},
+      {"directory size past the input", head(1000, 1'000'000), "", {"'directory'", "bytes left hold"}},
+      {"id length", forged_window(1, huge_id.str(), "", 0), "", {"4294967295 bytes, more than the 4096 allowed"}},
       {"overflowing shape",
-       window_head(1).tensor_head(true, "w", "F32", {1u << 31, 1u << 31, 1u << 31}).str(),
-       errc::invalid_record,
+       forged_window(1, overflowing.str(), "", 0),
        "w",
        {"[2147483648, 2147483648, 2147483648]", "overflows"}},
       {"values for a huge shape",
-       window_head(1).tensor_head(true, "w", "F32", {1000000, 1000000}).u64(1000000000000).str(),
-       errc::invalid_record,
+       forged_window(1, huge_shape.str(), "", 0),
        "w",
-       {"1000000000000 elements of 4 bytes", "'values'", "bytes left"}},
-      {"count that disagrees with the shape",
-       window_head(1).tensor_head(true, "w", "F32", {2, 3}).u64(7).str(),
-       errc::invalid_record,
-       "w",
-       {"declares 7 values for shape [2, 3] of 6 elements"}},
-      {"values cut short",
-       window_head(1).tensor_head(true, "w", "F32", {2, 3}).floats({1, 2}).str(),
-       errc::invalid_record,
-       "w",
-       {"declares 2 values for shape [2, 3]"}},
+       {"1000000000000 elements of 4 bytes"}},
+      {"block size past the input", forged_window(0, "", "", huge), "", {"'values'", "bytes left hold"}},
   };
   for (const forged& f : cases) {
     CAPTURE(f.what);
-    const std::size_t largest =
-        largest_allocation_of([&] { check_refused(f.bytes, checkpoint_format::binary, f.code, f.param_id, {}); });
+    const std::size_t largest = largest_allocation_of(
+        [&] { check_refused(f.bytes, checkpoint_format::binary, errc::invalid_record, f.param_id, {}); });
     for (std::string_view phrase : f.phrases) {
       try {
         (void)parse_checkpoint<weighted_gradients_record>(f.bytes, checkpoint_format::binary);
@@ -444,107 +419,140 @@ TEST_CASE("an accumulator restores a vector straight into its new tensor, with n
 }
 
 TEST_CASE("negative, fractional or NaN counters and scales are refused as invalid states") {
-  const std::string json = format_2_document(valid_window, checkpoint_format::json);
-  const std::string xml = format_2_document(valid_window, checkpoint_format::xml);
-  const auto json_state = [&](std::string_view from, std::string_view to) { return replaced(json, from, to); };
-  const auto xml_state = [&](std::string_view from, std::string_view to) { return replaced(xml, from, to); };
+  const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
+  const std::string xml = serialize_checkpoint(valid_window, checkpoint_format::xml);
   const checkpoint_format as_json = checkpoint_format::json;
   const checkpoint_format as_xml = checkpoint_format::xml;
-  const checkpoint_format as_binary = checkpoint_format::binary;
-
-  check_refused(json_state("\"microbatches\": 2", "\"microbatches\": -1"), as_json, errc::invalid_state, "",
+  const weighted_accumulation_state valid = valid_window.state;
+  // Text that does not read as the field's type: refused before the state's checksum is.
+  const auto json_state = [&](std::string_view field, std::string_view text) {
+    return with_state(json, as_json, field, text, valid);
+  };
+  check_refused(json_state("microbatches", "-1"), as_json, errc::invalid_state, "",
                 {"'microbatches'", "non-negative integer"});
-  check_refused(json_state("\"microbatches\": 2", "\"microbatches\": 2.5"), as_json, errc::invalid_state, "",
+  check_refused(json_state("microbatches", "2.5"), as_json, errc::invalid_state, "",
                 {"'microbatches'", "non-negative integer"});
-  check_refused(json_state("\"microbatches\": 2", "\"microbatches\": 18446744073709551616"), as_json,
-                errc::invalid_state, "", {"'microbatches'"});
-  // cereal reads XML integers with std::stoull, which takes "-1" for 2^64 - 1; these loaders do not.
-  check_refused(xml_state("<microbatches>2<", "<microbatches>-1<"), as_xml, errc::invalid_state, "",
-                {"'microbatches'", "'-1' is not a non-negative integer"});
-  check_refused(json_state("\"total_weight\": 7.0", "\"total_weight\": NaN"), as_json, errc::invalid_state, "",
-                {"total weight"});
-  check_refused(xml_state("<total_weight>7<", "<total_weight>nan<"), as_xml, errc::invalid_state, "", {"total weight"});
-  check_refused(json_state("\"total_weight\": 7.0", "\"total_weight\": -7.0"), as_json, errc::invalid_state, "",
-                {"total weight -7"});
-  check_refused(json_state("\"loss_scale\": 1024.0", "\"loss_scale\": -Infinity"), as_json, errc::invalid_state, "",
-                {"loss scale"});
-  check_refused(json_state("\"loss_scale\": 1024.0", "\"loss_scale\": \"big\""), as_json, errc::invalid_state, "",
+  check_refused(json_state("microbatches", "18446744073709551616"), as_json, errc::invalid_state, "",
+                {"'microbatches'"});
+  check_refused(json_state("loss_scale", "\"big\""), as_json, errc::invalid_state, "",
                 {"'loss_scale'", "not a number"});
-  check_refused(json_state("\"microbatches\": 2", "\"microbatches\": 0"), as_json, errc::invalid_state, "",
-                {"no microbatches"});
-  check_refused(json_state("\"total_weight\": 7.0", "\"total_weight\": 0.0"), as_json, errc::invalid_state, "",
-                {"zero total weight but pending"});
-  for (double weight : {std::numeric_limits<double>::quiet_NaN(), -std::numeric_limits<double>::infinity(), -1.0}) {
+  // cereal reads XML integers with std::stoull, which takes "-1" for 2^64 - 1; these loaders do not.
+  check_refused(with_state(xml, as_xml, "microbatches", "-1", valid), as_xml, errc::invalid_state, "",
+                {"'microbatches'", "'-1' is not a non-negative integer"});
+  // Values that read but make no valid state, under a checksum that matches them.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto forged = [&](double loss_scale, double total_weight, std::uint64_t microbatches) {
+    return weighted_accumulation_state{float_dtype::f32, loss_scale, total_weight, microbatches};
+  };
+  check_refused(with_state(json, as_json, "total_weight", "NaN", forged(1024.0, nan, 2)), as_json, errc::invalid_state,
+                "", {"total weight"});
+  check_refused(with_state(xml, as_xml, "total_weight", "nan", forged(1024.0, nan, 2)), as_xml, errc::invalid_state, "",
+                {"total weight"});
+  check_refused(with_state(json, as_json, "total_weight", "-7.0", forged(1024.0, -7.0, 2)), as_json,
+                errc::invalid_state, "", {"total weight -7"});
+  check_refused(with_state(json, as_json, "loss_scale", "-Infinity", forged(-inf, 7.0, 2)), as_json,
+                errc::invalid_state, "", {"loss scale"});
+  check_refused(with_state(json, as_json, "microbatches", "0", forged(1024.0, 7.0, 0)), as_json, errc::invalid_state,
+                "", {"no microbatches"});
+  check_refused(with_state(json, as_json, "total_weight", "0.0", forged(1024.0, 0.0, 2)), as_json, errc::invalid_state,
+                "", {"zero total weight but pending"});
+  // Unchanged text under the forged checksum: the checksum refuses it.
+  check_refused(with_state(json, as_json, "total_weight", "7.0", forged(1024.0, 8.0, 2)), as_json, errc::invalid_record,
+                "", {"accumulation state has checksum"});
+  for (double weight : {nan, -inf, -1.0}) {
     CAPTURE(weight);
-    binary_bytes bytes;
-    bytes.version().state("F32", 1.0, weight, 1).version().u64(0);
-    check_refused(bytes.str(), as_binary, errc::invalid_state, "", {"total weight"});
+    check_refused(window_with_state("F32", 1.0, weight, 1), checkpoint_format::binary, errc::invalid_state, "",
+                  {"total weight"});
   }
-  binary_bytes zero_scale;
-  zero_scale.version().state("F64", 0.0, 1.0, 1).version().u64(0);
-  check_refused(zero_scale.str(), as_binary, errc::invalid_state, "", {"loss scale 0"});
+  check_refused(window_with_state("F64", 0.0, 1.0, 1), checkpoint_format::binary, errc::invalid_state, "",
+                {"loss scale 0"});
 }
 
 TEST_CASE("dtype names are checked: unknown names, other cases, non-work dtypes in the state") {
-  const std::string json = format_2_document(valid_window, checkpoint_format::json);
+  const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
   check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"F128\""), checkpoint_format::json,
                 errc::invalid_state, "", {"accumulation state", "unknown dtype name 'F128'"});
   check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"f32\""), checkpoint_format::json,
                 errc::invalid_state, "", {"unknown dtype name 'f32'"});
-  check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"F16\""), checkpoint_format::json,
+  weighted_accumulation_state f16 = valid_window.state;
+  f16.dtype = float_dtype::f16;
+  check_refused(with_state(json, checkpoint_format::json, "dtype", "\"F16\"", f16), checkpoint_format::json,
                 errc::invalid_state, "", {"work dtype F16", "only F32 and F64"});
   check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"Q8\"", 1), checkpoint_format::json,
                 errc::invalid_record, "b", {"record tensor 'b'", "unknown dtype name 'Q8'"});
   check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": 32", 2), checkpoint_format::json, errc::invalid_record,
                 "w", {"record tensor 'w'", "'dtype'", "not a string"});
   // A tensor of another dtype than the state's (both F32 and F64 are known names).
-  check_refused(replaced(json, "\"dtype\": \"F32\"", "\"dtype\": \"F64\"", 2), checkpoint_format::json,
-                errc::invalid_state, "w", {"'w' has dtype F64", "work dtype is F32"});
-  binary_bytes control;
-  control.version().state(std::string_view("F\x01\xff", 3), 1.0, 1.0, 1).version().u64(0);
-  check_refused(control.str(), checkpoint_format::binary, errc::invalid_state, "",
-                {"unknown dtype name 'F\\x01\\xff'"});
+  binary_bytes f64_entry;
+  f64_entry.entry("w", 3, {1, 1}, 0);
+  binary_bytes f64_value;
+  f64_value.f64(2.0);
+  check_refused(forged_window(1, f64_entry.str(), f64_value.str(), 8), checkpoint_format::binary, errc::invalid_state,
+                "w", {"'w' has dtype F64", "work dtype is F32"});
+  check_refused(window_with_state(std::string_view("F\x01\xff", 3), 1.0, 1.0, 1), checkpoint_format::binary,
+                errc::invalid_state, "", {"unknown dtype name 'F\\x01\\xff'"});
 }
 
 TEST_CASE("a record listing an id twice is refused, naming it") {
-  binary_bytes twice = window_head(2);
-  twice.tensor_head(true, "w", "F32", {1, 1}).floats({1}).tensor_head(false, "w", "F32", {1, 1}).floats({2});
-  check_refused(twice.str(), checkpoint_format::binary, errc::invalid_record, "w", {"lists tensor 'w' twice"});
+  binary_bytes block;
+  block.values({1, 2, 3});
+  binary_bytes twice;
+  twice.entry("w", 2, {1, 1}, 0).entry("w", 2, {1, 1}, 4);
+  check_refused(forged_window(2, twice.str(), block.str().substr(0, 8), 8), checkpoint_format::binary,
+                errc::invalid_record, "w", {"lists tensor 'w' twice"});
   // Out of order, the duplicates are not neighbours.
-  binary_bytes unsorted = window_head(3);
-  unsorted.tensor_head(true, "w", "F32", {1, 1}).floats({1}).tensor_head(false, "a", "F32", {1, 1}).floats({2});
-  unsorted.tensor_head(false, "w", "F32", {1, 1}).floats({3});
-  check_refused(unsorted.str(), checkpoint_format::binary, errc::invalid_record, "w", {"lists tensor 'w' twice"});
+  binary_bytes unsorted;
+  unsorted.entry("w", 2, {1, 1}, 0).entry("a", 2, {1, 1}, 4).entry("w", 2, {1, 1}, 8);
+  check_refused(forged_window(3, unsorted.str(), block.str(), 12), checkpoint_format::binary, errc::invalid_record, "w",
+                {"lists tensor 'w' twice"});
   // Out of order without duplicates is a valid record, and keeps its order.
-  binary_bytes reversed = window_head(2);
-  reversed.tensor_head(true, "w", "F32", {1, 1}).floats({1}).tensor_head(false, "a", "F32", {1, 1}).floats({2});
-  const auto loaded = parse_checkpoint<weighted_gradients_record>(reversed.str(), checkpoint_format::binary);
+  binary_bytes reversed;
+  reversed.entry("w", 2, {1, 1}, 0).entry("a", 2, {1, 1}, 4);
+  const auto loaded = parse_checkpoint<weighted_gradients_record>(
+      forged_window(2, reversed.str(), block.str().substr(0, 8), 8), checkpoint_format::binary);
   CHECK(loaded.gradients.tensors[0].id == "w");
   CHECK(loaded.gradients.tensors[1].id == "a");
-  const std::string json = format_2_document(valid_window, checkpoint_format::json);
-  check_refused(replaced(json, "\"id\": \"w\"", "\"id\": \"b\""), checkpoint_format::json, errc::invalid_record, "b",
-                {"lists tensor 'b' twice"});
+  // In a text archive, under a checksum that matches (the ids are hashed).
+  weighted_gradients_record renamed = valid_window;
+  renamed.gradients.tensors[1].id = "c";
+  const std::string json = serialize_checkpoint(renamed, checkpoint_format::json);
+  detail::content_hash hash;
+  for (const tensor_record& tensor : valid_window.gradients.tensors) {
+    const auto& values = std::get<std::vector<float>>(tensor.values);
+    detail::hash_tensor_header(hash, "b", tensor.dtype, tensor.shape, values.size());
+    hash.add_text_values(std::span<const float>(values));
+  }
+  std::string twice_json = replaced(json, "\"id\": \"c\"", "\"id\": \"b\"");
+  const std::size_t checksum_at = twice_json.rfind("\"checksum\": ") + 12;  // the gradients' is the last
+  twice_json.replace(checksum_at, twice_json.find('\n', checksum_at) - checksum_at, std::to_string(hash.digest()));
+  check_refused(twice_json, checkpoint_format::json, errc::invalid_record, "b", {"lists tensor 'b' twice"});
 }
 
 TEST_CASE("a format version other than this build's is refused for every record type") {
-  std::string binary = valid_window_bytes().str();
-  binary[0] = 1;  // the weighted record's version comes first
+  std::string binary = serialize_checkpoint(valid_window, checkpoint_format::binary);
+  binary[0] = 4;  // the weighted record's version comes first
   check_refused(binary, checkpoint_format::binary, errc::invalid_record, "",
-                {"weighted gradients record has format version 1", "reads versions 2 to 4"});
+                {"weighted gradients record has format version 4; this build reads version 5 only."});
   const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
   const char* types[] = {"weighted gradients record", "accumulation state", "gradients record", "tensor record"};
   for (int occurrence = 0; occurrence < 4; ++occurrence) {
     CAPTURE(types[occurrence]);
-    check_refused(replaced(json, "\"cereal_class_version\": 4", "\"cereal_class_version\": 0", occurrence),
-                  checkpoint_format::json, errc::invalid_record, "", {types[occurrence], "format version 0"});
+    check_refused(replaced(json, "\"cereal_class_version\": 5", "\"cereal_class_version\": 4", occurrence),
+                  checkpoint_format::json, errc::invalid_record, "",
+                  {types[occurrence], "format version 4; this build reads version 5 only."});
   }
   const std::string xml = serialize_checkpoint(valid_window, checkpoint_format::xml);
-  check_refused(replaced(xml, "<cereal_class_version>4<", "<cereal_class_version>7<", 3), checkpoint_format::xml,
+  check_refused(replaced(xml, "<cereal_class_version>5<", "<cereal_class_version>7<", 3), checkpoint_format::xml,
                 errc::invalid_record, "", {"tensor record has format version 7"});
+  std::string portable = serialize_checkpoint(valid_window, checkpoint_format::portable_binary);
+  portable[1] = 3;  // after the byte-order byte
+  check_refused(portable, checkpoint_format::portable_binary, errc::invalid_record, "",
+                {"weighted gradients record has format version 3; this build reads version 5 only."});
 }
 
 TEST_CASE("values a text archive cannot hold for their dtype are refused") {
-  const std::string json = format_2_document(valid_window, checkpoint_format::json);
+  const std::string json = serialize_checkpoint(valid_window, checkpoint_format::json);
   check_refused(replaced(json, "\"0.5 -1\"", "\"0.5 1e300\""), checkpoint_format::json, errc::invalid_record, "b",
                 {"record tensor 'b'", "the value '1e300', which is not an F32 value"});
   check_refused(replaced(json, "\"0.5 -1\"", "\"0.5 -1x\""), checkpoint_format::json, errc::invalid_record, "b",
@@ -558,12 +566,14 @@ TEST_CASE("values a text archive cannot hold for their dtype are refused") {
   // Too short for the shape's element count before anything is allocated for it.
   check_refused(replaced(json, "\"0.5 -1\"", "\"1\""), checkpoint_format::json, errc::invalid_record, "b",
                 {"1 characters of values, too few for the 2 elements"});
-  // Any whitespace separates; what to_chars writes for infinities and NaNs reads back.
-  const std::string spaced = replaced(json, "\"0.5 -1\"", "\" 0.5\\n\\t-inf \"");
-  const auto loaded = parse_checkpoint<weighted_gradients_record>(spaced, checkpoint_format::json);
-  CHECK(std::get<std::vector<float>>(loaded.gradients.tensors[0].values)[1] == -std::numeric_limits<float>::infinity());
+  // Any whitespace separates; what to_chars writes for infinities reads back.
+  weighted_gradients_record infinite = valid_window;
+  std::get<std::vector<float>>(infinite.gradients.tensors[0].values)[1] = -std::numeric_limits<float>::infinity();
+  const std::string spaced =
+      replaced(serialize_checkpoint(infinite, checkpoint_format::json), "\"0.5 -inf\"", "\" 0.5\\n\\t-inf \"");
+  GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(spaced, checkpoint_format::json), infinite);
   const gradients_params_record half{{{"h", float_dtype::f16, {1, 1}, std::vector<std::uint16_t>{0x3c00}}}};
-  const std::string half_json = format_2_document(half, checkpoint_format::json);
+  const std::string half_json = serialize_checkpoint(half, checkpoint_format::json);
   try {
     (void)parse_checkpoint<gradients_params_record>(replaced(half_json, "15360", "70000"), checkpoint_format::json);
     FAIL("a 16-bit value of 70000 loaded");
@@ -571,7 +581,7 @@ TEST_CASE("values a text archive cannot hold for their dtype are refused") {
     CHECK(e.code() == errc::invalid_record);
     CHECK(std::string(e.what()).find("'70000', which is not a 16-bit pattern") != std::string::npos);
   }
-  const std::string half_xml = format_2_document(half, checkpoint_format::xml);
+  const std::string half_xml = serialize_checkpoint(half, checkpoint_format::xml);
   CHECK_THROWS_AS((void)parse_checkpoint<gradients_params_record>(replaced(half_xml, ">15360<", ">-4294901761<"),
                                                                   checkpoint_format::xml),
                   error);
@@ -610,82 +620,19 @@ TEST_CASE("documents cereal's parsers mishandle are refused, or read exactly") {
 }
 
 TEST_CASE("bytes after a binary record, or a document without the record, are refused") {
-  check_refused(valid_window_bytes().u32(0).str(), checkpoint_format::binary, errc::invalid_record, "",
-                {"4 bytes after its record"});
-  check_refused("{\"weighted_gradients_record\": {\"cereal_class_version\": 2}}", checkpoint_format::json,
-                errc::invalid_state, "", {"'state'", "missing"});
+  check_refused(serialize_checkpoint(valid_window, checkpoint_format::binary) + std::string(4, '\0'),
+                checkpoint_format::binary, errc::invalid_record, "", {"4 bytes after its record"});
+  check_refused(
+      "{\"weighted_gradients_record\": {\"cereal_class_version\": 5, \"record\": \"weighted_gradients_record\"}}",
+      checkpoint_format::json, errc::invalid_state, "", {"'state'", "missing"});
   check_refused("[1, 2]", checkpoint_format::json, errc::invalid_record, "", {"holds no record"});
   check_refused("{\"value0\": 5}", checkpoint_format::json, errc::invalid_record, "", {"not a valid json"});
 }
 
-TEST_CASE("a binary directory of format 3 that does not describe its values is refused before anything is read") {
-  // The directory's own checks run before the checksum is compared, so a corrupt file is
-  // refused naming what is wrong (the checksum written here is never reached).
-  const auto window_with = [](std::uint64_t count, const std::string& directory, std::initializer_list<float> values) {
-    binary_bytes bytes;
-    bytes.u32(3).u32(3).text("F32").f64(1.0).f64(1.0).u64(1).u64(
-        detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
-    bytes.u32(3).u64(count).u64(directory.size()).raw(directory.data(), directory.size()).values(values).u64(0);
-    return bytes.str();
-  };
-  const auto refused = [](const std::string& bytes, std::string_view why) {
-    CAPTURE(why);
-    try {
-      (void)parse_checkpoint<weighted_gradients_record>(bytes, checkpoint_format::binary);
-      FAIL("loaded");
-    } catch (const error& e) {
-      CHECK(e.code() == errc::invalid_record);
-      CHECK(std::string(e.what()).find(why) != std::string::npos);
-    }
-  };
-  binary_bytes one;
-  one.entry("w", 2, {1, 2});
-  refused(window_with(4, one.str(), {1, 2}), "tensors, more than its directory");
-  refused(window_with(2, one.str(), {1, 2}), "ends inside a tensor's entry");
-  binary_bytes dtype;
-  dtype.entry("w", 7, {1, 2});
-  refused(window_with(1, dtype.str(), {1, 2}), "unknown dtype code 7");
-  binary_bytes rank;
-  rank.entry("w", 2, {1, 1, 1, 1, 1, 1, 1, 1, 1});
-  refused(window_with(1, rank.str(), {1}), "has rank 9");
-  binary_bytes cut;
-  cut.entry("w", 2, {1, 2});
-  refused(window_with(1, cut.str().substr(0, cut.str().size() - 3), {1, 2}), "ends inside a tensor's entry");
-  refused(window_with(1, one.str() + "x", {1, 2}), "bytes after its last tensor");
-  binary_bytes long_id;
-  long_id.u32(static_cast<std::uint32_t>(max_id_length + 1)).raw("0123456789", 10);
-  refused(window_with(1, long_id.str(), {}), "more than the 4096 allowed");
-  binary_bytes big;
-  big.entry("w", 2, {1u << 20, 1u << 20});
-  refused(window_with(1, big.str(), {1, 2}), "elements of 4 bytes");
-  // A directory longer than its tensors' entries can be, or than the file, is refused before it
-  // is allocated.
-  const auto header = [](std::uint64_t count, std::uint64_t directory_bytes) {
-    binary_bytes bytes;
-    bytes.u32(3).u32(3).text("F32").f64(1.0).f64(1.0).u64(1).u64(
-        detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
-    bytes.u32(3).u64(count).u64(directory_bytes);
-    return bytes.str();
-  };
-  refused(header(1, std::uint64_t{1} << 40), "more than the entries of its 1 tensors take");
-  refused(header(1000, 1'000'000), "bytes left hold");
-}
-
-TEST_CASE("a binary directory of format 4 that does not describe its block is refused, and changes nothing") {
+TEST_CASE("a binary directory that does not describe its block is refused, and changes nothing") {
   // Forged under checksums that match, so each check behind them is reached; each is refused by
   // a record load and by an accumulator load, which leaves the accumulator as it was.
-  const auto window_with = [](std::uint64_t count, const std::string& directory, const std::string& block,
-                              std::uint64_t block_bytes) {
-    detail::content_hash values;
-    values.add_bytes(block.data(), block.size());
-    binary_bytes bytes;
-    bytes.u32(4).u32(4).text("F32").f64(1.0).f64(1.0).u64(1).u64(
-        detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
-    bytes.u32(4).u64(count).u64(directory.size()).raw(directory.data(), directory.size());
-    bytes.u64(block_bytes).u64(detail::directory_checksum(count, directory, block_bytes));
-    bytes.raw(block.data(), block.size()).u64(values.digest());
-    return bytes.str();
-  };
+  const auto window_with = forged_window;
   restore_target target;
   const weighted_gradients_record before = target.accumulator.try_to_record();
   const scratch_file file(".bin");
@@ -757,9 +704,7 @@ TEST_CASE("a binary directory of format 4 that does not describe its block is re
   refused(window_with(2, good.str(), block, std::uint64_t{1} << 50), "bytes left hold");
   const auto header = [](std::uint64_t count, std::uint64_t directory_bytes) {
     binary_bytes bytes;
-    bytes.u32(4).u32(4).text("F32").f64(1.0).f64(1.0).u64(1).u64(
-        detail::state_checksum({float_dtype::f32, 1.0, 1.0, 1}));
-    bytes.u32(4).u64(count).u64(directory_bytes);
+    bytes.start("gradaccW").state("F32", 1.0, 1.0, 1).start("gradaccG").u64(count).u64(directory_bytes);
     return bytes.str();
   };
   refused(header(1, std::uint64_t{1} << 40), "more than the entries of its 1 tensors take");

@@ -1,6 +1,7 @@
 /// @file
-/// @brief Checkpoints lose nothing: checksums catch changed bits, files of formats 2 and 3
-/// still load, ids text archives cannot hold are refused, files that are not regular are refused
+/// @brief Checkpoints lose nothing: checksums catch changed bits, files of this format load
+/// from fixtures and files of older ones are refused naming their version, ids text archives
+/// cannot hold are refused, files that are not regular are refused
 /// without blocking, long names save, length fields cannot make a load allocate, and XML
 /// numbers parse strictly.
 
@@ -37,8 +38,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-/// The window the fixtures of formats 2 and 3 (tests/fixtures/window_v2.*, window_v3.*) were
-/// written from.
+/// The window the fixtures (tests/fixtures/window_v5.*, written by make_fixtures.cpp, and
+/// window_v3.bin of format 3) were written from.
 weighted_gradients_record fixture_window() {
   weighted_gradients_record r;
   r.state = {float_dtype::f32, 1024.0, 320.5, 3};
@@ -77,27 +78,43 @@ errc code_of_parse(const std::string& bytes, checkpoint_format format) {
 
 }  // namespace
 
-TEST_CASE("checkpoints of formats 2 (no checksum) and 3 (a tensor's values after its entry) still load") {
-  for (const auto& fixture : {std::pair{"window_v2", 2U}, std::pair{"window_v3", 3U}}) {
-    // Named copies: clang 14 cannot capture a structured binding in CAPTURE's lambda.
-    const std::string stem = fixture.first;
-    const unsigned version = fixture.second;
-    for (const checkpoint_format format : all_formats) {
-      CAPTURE(stem);
-      CAPTURE(format);
-      const fs::path path = fs::path(GRADACCUM_TEST_FIXTURES) / (stem + extension_of(format));
-      CHECK(checkpoint_version(path) == version);
-      CHECK(load_checkpoint<weighted_gradients_record>(path) == fixture_window());
-      const auto params = [] {
-        parameter_set<eigen_backend> p;
-        p.add("encoder.weight", tensor_shape{2, 3}, {});
-        p.add("decoder.bias", tensor_shape{1, 3}, {});
-        return p;
-      }();
-      weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f64, 1.0);
-      load_checkpoint(path, params, acc);
-      CHECK(acc.try_to_record() == fixture_window());
+TEST_CASE("checkpoints of this format load from files; older formats are refused naming their version") {
+  const auto params = [] {
+    parameter_set<eigen_backend> p;
+    p.add("encoder.weight", tensor_shape{2, 3}, {});
+    p.add("decoder.bias", tensor_shape{1, 3}, {});
+    return p;
+  }();
+  for (const checkpoint_format format : all_formats) {
+    CAPTURE(format);
+    const fs::path path = fs::path(GRADACCUM_TEST_FIXTURES) / ("window_v5" + extension_of(format));
+    CHECK(checkpoint_version(path) == 5);
+    CHECK(load_checkpoint<weighted_gradients_record>(path) == fixture_window());
+    weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f64, 1.0);
+    load_checkpoint(path, params, acc);
+    CHECK(acc.try_to_record() == fixture_window());
+    // This build writes the fixture's bytes.
+    CHECK(serialize_checkpoint(fixture_window(), format) == read_text(path));
+  }
+  // A file of format 3: its version is told, and loading it is refused, changing nothing.
+  const fs::path old = fs::path(GRADACCUM_TEST_FIXTURES) / "window_v3.bin";
+  CHECK(checkpoint_version(old) == 3);
+  const std::string expected = "checkpoint " + detail::quote(old.string()) +
+                               ": a weighted gradients record has format version 3; this build reads version 5 only.";
+  for (const bool into_accumulator : {false, true}) {
+    weighted_gradients_accumulator<eigen_backend> acc(float_dtype::f64, 2.0);
+    try {
+      if (into_accumulator) {
+        load_checkpoint(old, params, acc);
+      } else {
+        (void)load_checkpoint<weighted_gradients_record>(old);
+      }
+      FAIL("a checkpoint of format 3 loaded");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::invalid_record);
+      CHECK(std::string(e.what()) == expected);
     }
+    CHECK(acc.try_to_record() == weighted_gradients_record{{}, {float_dtype::f64, 2.0, 0.0, 0}});
   }
 }
 
@@ -143,22 +160,34 @@ TEST_CASE("ids with a NUL byte: binary archives keep them, text archives refuse 
       CHECK(parse_checkpoint<weighted_gradients_record>(serialize_checkpoint(record, format), format) == record);
     }
   }
-  // Documents of format 2 (no checksum) that hold one: the JSON reader keeps every byte, the
-  // XML check refuses the NUL rapidxml would cut the string at.
-  const std::string v2_json = read_text(fs::path(GRADACCUM_TEST_FIXTURES) / "window_v2.json");
-  const auto loaded = parse_checkpoint<weighted_gradients_record>(
-      replace_first(v2_json, "\"decoder.bias\"", "\"decoder.bias\\u0000x\""), checkpoint_format::json);
-  CHECK(loaded.gradients.tensors[0].id == std::string("decoder.bias\0x", 14));
-  const std::string v2_xml = read_text(fs::path(GRADACCUM_TEST_FIXTURES) / "window_v2.xml");
-  CHECK(code_of_parse(replace_first(v2_xml, ">decoder.bias<", ">decoder.bias&#0;x<"), checkpoint_format::xml) ==
-        errc::invalid_record);
+  // Documents that hold one: the JSON reader keeps every byte (the checksum, over the id as
+  // written, then refuses the changed id), the XML check refuses the NUL rapidxml would cut
+  // the string at.
+  const std::string json = read_text(fs::path(GRADACCUM_TEST_FIXTURES) / "window_v5.json");
+  try {
+    (void)parse_checkpoint<weighted_gradients_record>(
+        replace_first(json, "\"decoder.bias\"", "\"decoder.bias\\u0000x\""), checkpoint_format::json);
+    FAIL("a changed id loaded");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::invalid_record);
+    CHECK(std::string(e.what()).find("gradients record has checksum") != std::string::npos);
+  }
+  const std::string xml = read_text(fs::path(GRADACCUM_TEST_FIXTURES) / "window_v5.xml");
+  try {
+    (void)parse_checkpoint<weighted_gradients_record>(replace_first(xml, ">decoder.bias<", ">decoder.bias&#0;x<"),
+                                                      checkpoint_format::xml);
+    FAIL("an XML id with a NUL loaded");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::invalid_record);
+    CHECK(std::string(e.what()).find("NUL") != std::string::npos);
+  }
 }
 
 TEST_CASE("XML state fields parse strictly") {
-  const std::string v2_xml = read_text(fs::path(GRADACCUM_TEST_FIXTURES) / "window_v2.xml");
+  const std::string xml = read_text(fs::path(GRADACCUM_TEST_FIXTURES) / "window_v5.xml");
   for (const char* bad : {"2abc", "0x10", "+2", "2 3"}) {
     CAPTURE(bad);
-    CHECK(code_of_parse(replace_first(v2_xml, ">320.5<", std::string(">") + bad + "<"), checkpoint_format::xml) ==
+    CHECK(code_of_parse(replace_first(xml, ">320.5<", std::string(">") + bad + "<"), checkpoint_format::xml) ==
           errc::invalid_state);
   }
 }
@@ -177,11 +206,12 @@ TEST_CASE("ids longer than max_id_length are refused on save and on load, before
   CHECK_THROWS_AS((void)serialize_checkpoint(record, checkpoint_format::binary), error);
   record.tensors[0].id = "a";
   std::string bytes = serialize_checkpoint(record, checkpoint_format::binary);
-  // The id length (4 bytes) follows the gradients version, the tensor count and the directory's
-  // size: declare 4 GiB, in a sparse file of 64 GiB, under a directory checksum that matches.
+  // The id length (4 bytes) follows the gradients version and tag, the tensor count and the
+  // directory's size: declare 4 GiB, in a sparse file of 64 GiB, under a directory checksum that
+  // matches.
   const std::uint64_t huge = std::uint64_t{64} << 30;
   const std::uint32_t id_length = 0xFFFFFFFFU;
-  constexpr std::size_t directory_at = 4 + 8 + 8;
+  constexpr std::size_t directory_at = 4 + 8 + 8 + 8;
   std::memcpy(bytes.data() + directory_at, &id_length, sizeof id_length);
   std::uint64_t directory_size = 0;
   std::uint64_t block_size = 0;
@@ -306,8 +336,7 @@ TEST_CASE("a binary checkpoint holds a window's values as one block, straight fr
 }
 
 TEST_CASE("large values are hashed while they load: a changed bit anywhere is refused, nothing changes") {
-  // 3,000,001 floats (over 8 MiB, so a worker thread hashes them as the pieces arrive; an odd
-  // count, so the last piece and the last hand-off are partial) beside a small tensor.
+  // 3,000,001 floats (an odd count, so the last 32 KiB piece is partial) beside a small tensor.
   constexpr std::size_t large = 3'000'001;
   parameter_set<eigen_backend> params;
   params.add("a.small", tensor_shape{3}, {});

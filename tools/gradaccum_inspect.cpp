@@ -1,13 +1,17 @@
 /// @file
 /// @brief gradaccum-inspect: prints what a checkpoint file holds.
 ///
-///     gradaccum-inspect FILE [--format binary|portable_binary|json|xml] [--record auto|weighted|gradients]
+///     gradaccum-inspect FILE [--format binary|portable_binary|json|xml]
+///                            [--record auto|weighted|gradients|state]
 ///
-/// Prints the format, the record type and its format version, the accumulation state, and for
-/// every tensor its id, dtype, shape, smallest and largest finite value and number of
-/// non-finite values (NaN, ±inf: a window that overflowed). The file is loaded by the same
-/// hardened loader as `load_checkpoint`, so a damaged file gets the same named error. Exit
-/// status: 0, 1 when the file cannot be read or is refused, CLI11's codes for a bad command line.
+/// Prints the format, the record type and its format version, the accumulation state, the
+/// loss scale state of a window saved with its `dynamic_loss_scale`, and for every tensor its
+/// id (quoted, bytes outside printable ASCII escaped as the library's messages do), dtype,
+/// shape, smallest and largest finite value and number of non-finite values (NaN, ±inf: a
+/// window that overflowed). The record type is the one the file's tag names unless given. The
+/// file is loaded by the same hardened loader as `load_checkpoint`, so a damaged file gets the
+/// same named error. Exit status: 0, 1 when the file cannot be read or is refused, CLI11's
+/// codes for a bad command line.
 
 #include <algorithm>
 #include <charconv>
@@ -16,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <string>
 #include <variant>
@@ -54,7 +59,9 @@ struct tensor_summary {
 };
 
 tensor_summary summarize(const tensor_record& tensor) {
-  tensor_summary summary{tensor.id, std::string(to_string(tensor.dtype)), detail::record_shape(tensor).to_string()};
+  // Whole and escaped: ids may hold NUL bytes (binary archives keep them) or terminal escapes.
+  tensor_summary summary{detail::quote(tensor.id, std::numeric_limits<std::size_t>::max()),
+                         std::string(to_string(tensor.dtype)), detail::record_shape(tensor).to_string()};
   std::visit(
       [&](const auto& values) {
         std::optional<double> low;
@@ -112,6 +119,32 @@ void print_state(const weighted_accumulation_state& state) {
               number(state.total_weight).c_str(), static_cast<unsigned long long>(state.microbatches));
 }
 
+void print(const weighted_gradients_record& record) {
+  print_state(record.state);
+  print_tensors(record.gradients);
+}
+void print(const gradients_params_record& record) {
+  print_tensors(record);
+}
+void print(const weighted_accumulation_state& state) {
+  print_state(state);
+}
+
+/// Loads and prints a record of type R and the loss scale state saved after it, if any.
+template <class R>
+void inspect(const std::filesystem::path& path, checkpoint_format format, std::uint32_t version) {
+  const checkpoint_contents<R> contents = load_checkpoint_contents<R>(path, format);
+  std::printf("record: %s, format version %u (XXH3-64 checksums verified)\n",
+              std::string(detail::record_name<R>()).c_str(), static_cast<unsigned>(version));
+  if (contents.loss_scale) {
+    const dynamic_loss_scale_state& scale = *contents.loss_scale;
+    std::printf("loss scale: scale %s, growth_tracker %llu, hysteresis_left %llu\n", number(scale.scale).c_str(),
+                static_cast<unsigned long long>(scale.growth_tracker),
+                static_cast<unsigned long long>(scale.hysteresis_left));
+  }
+  print(contents.record);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -123,45 +156,30 @@ int main(int argc, char** argv) {
   app.add_option("-f,--format", format_name, "format, if the extension (.bin .pbin .json .xml) does not tell")
       ->check(CLI::IsMember({"binary", "portable_binary", "json", "xml"}));
   app.add_option("-r,--record", record_kind,
-                 "record the file holds: a weighted window, a plain accumulator's gradients, or auto (try both)")
-      ->check(CLI::IsMember({"auto", "weighted", "gradients"}));
+                 "record the file holds: a weighted window, a plain accumulator's gradients, a window's state, or "
+                 "auto (the one the file names)")
+      ->check(CLI::IsMember({"auto", "weighted", "gradients", "state"}));
   CLI11_PARSE(app, argc, argv);
 
   try {
     const std::optional<checkpoint_format> given = parse_checkpoint_format(format_name);
     const checkpoint_format format = given ? *given : checkpoint_format_for(path);
-    std::printf("file: %s\nformat: %s (%s)\n", path.c_str(), std::string(to_string(format)).c_str(),
-                given ? "given" : "from the extension");
-    const auto print_record_line = [&](const char* type) {
-      const std::uint32_t version = checkpoint_version(path, format);
-      std::printf("record: %s, format version %u (%s)\n", type, static_cast<unsigned>(version),
-                  detail::has_checksum(version) ? "with an XXH3-64 checksum, verified"
-                                                : "no checksum: a changed value would load unnoticed");
-    };
-    if (record_kind != "gradients") {
-      try {
-        const auto record = load_checkpoint<weighted_gradients_record>(path, format);
-        print_record_line("weighted_gradients_record");
-        print_state(record.state);
-        print_tensors(record.gradients);
-        return 0;
-      } catch (const error&) {
-        if (record_kind == "weighted") throw;
-        // auto: a plain accumulator's checkpoint holds a gradients record; if that fails too,
-        // the weighted record's error is the one reported.
-        try {
-          const auto record = load_checkpoint<gradients_params_record>(path, format);
-          print_record_line("gradients_params_record");
-          print_tensors(record);
-          return 0;
-        } catch (const error&) {
-        }
-        throw;
-      }
+    std::printf("file: %s\nformat: %s (%s)\n",
+                detail::quote(path.string(), std::numeric_limits<std::size_t>::max()).c_str(),
+                std::string(to_string(format)).c_str(), given ? "given" : "from the extension");
+    // The file's start names its archive (a misread one is refused here), version and record.
+    const detail::checkpoint_start start = detail::read_start(path, format);
+    if (record_kind == "auto" && start.record != nullptr) {
+      if (start.record == &detail::gradients_tag) record_kind = "gradients";
+      if (start.record == &detail::state_tag) record_kind = "state";
     }
-    const auto record = load_checkpoint<gradients_params_record>(path, format);
-    print_record_line("gradients_params_record");
-    print_tensors(record);
+    if (record_kind == "gradients") {
+      inspect<gradients_params_record>(path, format, start.version);
+    } else if (record_kind == "state") {
+      inspect<weighted_accumulation_state>(path, format, start.version);
+    } else {  // a window, or a file whose start names no record: its loader says what is wrong
+      inspect<weighted_gradients_record>(path, format, start.version);
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gradaccum-inspect: %s\n", e.what());

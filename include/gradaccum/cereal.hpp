@@ -10,13 +10,20 @@
 ///
 /// | type                          | fields, in order                                              |
 /// |-------------------------------|---------------------------------------------------------------|
-/// | `weighted_gradients_record`   | `state`, `gradients`                                          |
-/// | `weighted_accumulation_state` | `dtype` (text name), `loss_scale`, `total_weight`, `microbatches`, `checksum` |
-/// | `gradients_params_record`     | `tensors` (in record order: sorted by id), `checksum`         |
-/// | `tensor_record`               | `id`, `dtype` (text name), `shape`, `values` (row-major)      |
-/// | `dynamic_loss_scale_state`    | `scale`, `growth_tracker`, `hysteresis_left`, `checksum`      |
+/// | `weighted_gradients_record`   | `record`, `state`, `gradients`                                |
+/// | `weighted_accumulation_state` | `record`, `dtype` (text name), `loss_scale`, `total_weight`, `microbatches`,
+/// `checksum` | | `gradients_params_record`     | `record`, `tensors` (in record order: sorted by id), `checksum` | |
+/// `tensor_record`               | `id`, `dtype` (text name), `shape`, `values` (row-major)      | |
+/// `dynamic_loss_scale_state`    | `record`, `scale`, `growth_tracker`, `hysteresis_left`, `checksum` |
 ///
-/// - Every type carries `record_format_version` as its cereal class version.
+/// - Every type carries `record_format_version` as its cereal class version; only that version
+///   loads.
+/// - `record` is the tag that names the record's type: in text archives its name
+///   ("weighted_gradients_record", "gradients_params_record", "weighted_accumulation_state",
+///   "dynamic_loss_scale_state"), in binary archives 8 bytes ("gradaccW", "gradaccG",
+///   "gradaccS", "gradaccL"). A loader given another record type refuses it naming both, and a
+///   binary checkpoint's first bytes (cereal's class version, then the tag; in a portable binary
+///   archive after its byte-order byte) tell which archive wrote it.
 /// - `checksum` is the XXH3-64 of the content before it, over a canonical byte stream that does
 ///   not depend on the archive: for a state its dtype name, the bits of `loss_scale` and
 ///   `total_weight` and `microbatches`; for gradients each tensor's id, dtype name, rank,
@@ -24,7 +31,7 @@
 ///   values little-endian and text as its length and bytes. Binary archives hash a gradients
 ///   record as two blocks instead (see below). Loading recomputes it and refuses a mismatch
 ///   with `errc::invalid_record`, so a changed bit that still parses (a value, an id, a weight)
-///   is caught. Records of versions 2 (no checksum) and 3 still load.
+///   is caught.
 /// - Ids are at most `max_id_length` bytes. Text archives cannot hold an id with a NUL byte
 ///   (cereal's JSON and XML archives cut strings there): saving one to them throws.
 /// - Dtypes are written as their text names ("F32"); 16-bit values as their bit patterns.
@@ -32,11 +39,10 @@
 ///   tensor its id, dtype code, shape and where its values are), the directory's checksum and
 ///   then every value as one block (see "The values block of a binary gradients record"
 ///   below), whose checksum is the record's `checksum`: an accumulator's buffer is written as
-///   it is and read back with one read. Version 3 wrote the values after the directory in
-///   record order, version 2 each tensor as a `tensor_record`. Strings and lists elsewhere are
-///   a size followed by one raw block, never element by element.
-/// - Text archives write records of version 4 as of version 3 (one node per tensor, which a
-///   text reader parses anyway). They write shapes as arrays of numbers and values as one
+///   it is and read back with one read. Strings and lists elsewhere are a size followed by one
+///   raw block, never element by element.
+/// - Text archives write a gradients record as a list of `tensor_record` nodes (one node per
+///   tensor, which a text reader parses anyway). They write shapes as arrays of numbers and values as one
 ///   string of numbers separated by spaces, each the shortest text that reads back to the same
 ///   value (`std::to_chars`, about 10 bytes per F32): exact for every finite value, ±inf and
 ///   NaN; a NaN keeps its sign, and its payload survives binary archives only.
@@ -104,17 +110,10 @@ class XMLInputArchive;  // only compared against: its integer parsing needs a st
 
 namespace gradaccum {
 
-/// @brief Version of the record format: the cereal class version of every record type. Loading
-/// reads this version and versions 2 and 3. Version 4 writes binary gradients records as a
-/// directory and one block of values, each with its checksum (text archives are as in 3);
-/// version 3 adds `checksum` to states and gradients records and writes binary gradients
-/// records as one directory and their values back to back; version 2 writes text archives'
-/// values as one string of shortest round-trip numbers (version 1, not read, wrote arrays of
-/// doubles).
-inline constexpr std::uint32_t record_format_version = 4;
-
-/// @brief Oldest record format version that loads.
-inline constexpr std::uint32_t oldest_record_format_version = 2;
+/// @brief Version of the record format: the cereal class version of every record type. Only
+/// this version loads; a record of another one is refused with `errc::invalid_record` naming
+/// both. Version 5 starts every record with a tag naming its type (see the table above).
+inline constexpr std::uint32_t record_format_version = 5;
 
 // ---- The records' cereal functions (found by cereal through argument-dependent lookup) ------
 
@@ -161,6 +160,8 @@ namespace detail {
 class sized_streambuf : public std::streambuf {
  public:
   [[nodiscard]] virtual std::uint64_t remaining() const noexcept = 0;
+  /// Up to `count` of the next bytes (fewer only at the end of the input), not consumed.
+  virtual std::string_view peek(std::size_t count) = 0;
 };
 
 struct istream_holder {
@@ -196,25 +197,6 @@ template <class Archive>
 inline constexpr bool is_text_archive = cereal::traits::is_text_archive<Archive>::value;
 
 // ---- Messages ------------------------------------------------------------------------------------
-
-/// `text` in quotes for a message: bytes outside printable ASCII escaped, long text cut short.
-inline std::string quote(std::string_view text) {
-  constexpr std::size_t shown = 64;
-  constexpr std::string_view hex = "0123456789abcdef";
-  std::string out = "'";
-  for (std::size_t i = 0; i < text.size() && i < shown; ++i) {
-    const auto byte = static_cast<unsigned char>(text[i]);
-    if (byte >= 0x20 && byte < 0x7f && byte != '\\' && byte != '\'') {
-      out += static_cast<char>(byte);
-    } else {
-      out += "\\x";
-      out += hex[byte >> 4];
-      out += hex[byte & 0xf];
-    }
-  }
-  if (text.size() > shown) out += "...";
-  return out + "'";
-}
 
 /// What is being loaded, for messages: the error code its problems get, what it is ("record
 /// tensor") and, once read, its id. Messages are composed only on failure.
@@ -488,10 +470,6 @@ std::string load_string(Archive& ar, const load_site& site, const char* field, s
   return text;
 }
 
-/// Fewest bytes a tensor takes in a binary archive: sizes of its id and dtype name, the name
-/// ("F32"), its rank and its value count.
-inline constexpr std::uint64_t min_binary_tensor_bytes = 8 + 8 + 3 + 8 + 8;
-
 /// Longest dtype name read ("BF16" has 4 bytes); longer input is not a dtype name.
 inline constexpr std::uint64_t max_dtype_name_length = 8;
 
@@ -515,46 +493,74 @@ decltype(auto) visit_stored_type(float_dtype dtype, F&& f) {
   return std::forward<F>(f).template operator()<std::uint16_t>();
 }
 
-/// The format version of the record whose fields are loading on this thread, 0 outside one.
-/// Every writer gives nested records the version of the record holding them, so a changed bit
-/// in the version of a record without content of its own is refused too.
-inline thread_local std::uint32_t enclosing_version = 0;
-
-/// @brief Makes `version` the `enclosing_version` while alive.
-class version_scope {
- public:
-  explicit version_scope(std::uint32_t version) noexcept : previous_(std::exchange(enclosing_version, version)) {}
-  version_scope(const version_scope&) = delete;
-  version_scope& operator=(const version_scope&) = delete;
-  ~version_scope() { enclosing_version = previous_; }
-
- private:
-  std::uint32_t previous_;
-};
-
 inline void check_format_version(std::uint32_t version, std::string_view type) {
-  if (version < oldest_record_format_version || version > record_format_version) {
+  if (version != record_format_version) {
     fail(errc::invalid_record, std::string(type) + " has format version " + std::to_string(version) +
-                                   "; this build reads versions " + std::to_string(oldest_record_format_version) +
-                                   " to " + std::to_string(record_format_version) + ".");
-  }
-  if (enclosing_version != 0 && version != enclosing_version) {
-    fail(errc::invalid_record, std::string(type) + " has format version " + std::to_string(version) +
-                                   " inside a record of version " + std::to_string(enclosing_version) +
-                                   ": the checkpoint is corrupt.");
+                                   "; this build reads version " + std::to_string(record_format_version) + " only.");
   }
 }
 
-/// Whether a record of this format version carries a checksum.
-constexpr bool has_checksum(std::uint32_t version) noexcept {
-  return version >= 3;
+// ---- Record tags -------------------------------------------------------------------------------
+
+/// @brief What a record starts with, after cereal's class version: in text archives a field
+/// `record` holding its type's name, in binary archives 8 bytes. A reader expecting one type
+/// and given another names both; a checkpoint's first bytes tell which archive wrote it.
+struct record_tag {
+  std::string_view name;
+  std::string_view magic;
+};
+
+inline constexpr record_tag window_tag{"weighted_gradients_record", "gradaccW"};
+inline constexpr record_tag gradients_tag{"gradients_params_record", "gradaccG"};
+inline constexpr record_tag state_tag{"weighted_accumulation_state", "gradaccS"};
+inline constexpr record_tag loss_scale_tag{"dynamic_loss_scale_state", "gradaccL"};
+inline constexpr std::array<const record_tag*, 4> record_tags{&window_tag, &gradients_tag, &state_tag, &loss_scale_tag};
+inline constexpr std::size_t record_magic_bytes = 8;
+
+/// The tag whose name (text) or magic (binary) is `text`, if any.
+inline const record_tag* find_tag(std::string_view text, bool magic) noexcept {
+  for (const record_tag* tag : record_tags) {
+    if ((magic ? tag->magic : tag->name) == text) return tag;
+  }
+  return nullptr;
+}
+
+template <class Archive>
+void save_tag(Archive& ar, const record_tag& tag) {
+  if constexpr (is_text_archive<Archive>) {
+    ar(cereal::make_nvp("record", std::string(tag.name)));
+  } else {
+    ar(cereal::binary_data(tag.magic.data(), tag.magic.size()));
+  }
+}
+
+/// Reads a record's tag and refuses any other than `expected`, naming what the input holds.
+template <class Archive>
+void check_tag(Archive& ar, const record_tag& expected) {
+  constexpr bool text = is_text_archive<Archive>;
+  const std::string where_expected = "expected a " + std::string(expected.name) + ", but the input holds ";
+  std::string found;
+  read_field<Archive>({errc::invalid_record, expected.name}, "record", "a string", [&] {
+    if constexpr (text) {
+      ar(cereal::make_nvp("record", found));
+    } else {
+      found.resize(record_magic_bytes);
+      ar(cereal::binary_data(found.data(), found.size()));
+    }
+  });
+  if (found == (text ? expected.name : expected.magic)) return;
+  if (const record_tag* other = find_tag(found, !text)) {
+    fail(errc::invalid_record, where_expected + "a " + std::string(other->name) + ".");
+  }
+  fail(errc::invalid_record, where_expected + quote(found) + " where the record's tag " +
+                                 quote(text ? expected.name : expected.magic) + " belongs.");
 }
 
 // ---- Checksums ---------------------------------------------------------------------------------
 
-/// The hash of the gradients record being saved or loaded on this thread, if any. Tensors reach
-/// it through cereal (the first of a list, and every tensor of a text archive, go through
-/// cereal to keep its version bookkeeping), whose calls carry no context of ours.
+/// The hash of the gradients record being saved or loaded on this thread, if any. A text
+/// archive's tensors reach it through cereal (which keeps its version bookkeeping), whose calls
+/// carry no context of ours.
 inline thread_local content_hash* active_hash = nullptr;
 
 /// @brief Makes `hash` the `active_hash` while alive.
@@ -625,14 +631,9 @@ void check_checksum(Archive& ar, const load_site& site, std::uint64_t computed);
 inline constexpr std::size_t loaded_block_bytes = std::size_t{1} << 15;
 inline constexpr std::size_t saved_block_bytes = std::size_t{1} << 18;
 
-/// Values from this size on are hashed on a worker thread while the next pieces are read (see
-/// `background_hash`): XXH3 takes about 1.5 ms for 64 MiB, 8 % of a load from the page cache,
-/// against some 50 us to start a thread.
-inline constexpr std::size_t background_hash_bytes = std::size_t{8} << 20;
-
 // ---- The values block of a binary gradients record ---------------------------------------------
 //
-// From format 4, binary archives write a gradients record as: its tensor count; the size and
+// Binary archives write a gradients record as: its tag; its tensor count; the size and
 // bytes of its directory; the size in bytes of its values block; the directory checksum; the
 // values block; and, as the record's `checksum`, the block's. Per tensor the directory holds,
 // little-endian: id length (4 bytes), id, dtype (1 byte: 0 F16, 1 BF16, 2 F32, 3 F64), rank
@@ -643,16 +644,15 @@ inline constexpr std::size_t background_hash_bytes = std::size_t{8} << 20;
 // bytes with values little-endian. A writer lays the block out as it likes: an accumulator
 // writes its buffer as it is, so a load into the same layout is one read straight into the
 // buffer, and a record its tensors in record order. The directory is checked whole before
-// anything is placed by it. Format 3 had no offsets and the values back to back in record
-// order, hashed with each tensor's header (`hash_tensor_header`).
+// anything is placed by it.
 
-/// Fewest and most bytes a tensor takes in a directory of format 3: an empty id and rank 0; the
-/// longest id and rank `max_rank`. Format 4 adds the offset.
+/// Fewest and most bytes a tensor's directory entry takes before its offset: an empty id and
+/// rank 0; the longest id and rank `max_rank`.
 inline constexpr std::uint64_t min_directory_entry_bytes = 4 + 1 + 1;
 inline constexpr std::uint64_t max_directory_entry_bytes = 4 + max_id_length + 1 + 1 + 8 * max_rank;
 inline constexpr std::uint64_t block_offset_bytes = 8;
 
-/// The checksum that guards a directory of format 4 and what it is read with.
+/// The checksum that guards a binary directory and what it is read with.
 inline std::uint64_t directory_checksum(std::uint64_t count, std::string_view directory,
                                         std::uint64_t block_bytes) noexcept {
   content_hash hash;
@@ -807,25 +807,10 @@ void check_saved_id(std::string_view id) {
   }
 }
 
-/// Writes values as one raw block (in pieces, each hashed first when a checksum is being taken).
-/// From `background_hash_bytes` on, a worker thread hashes them while they are written in one
-/// piece.
+/// Writes values as one raw block (in pieces, each hashed first when a checksum is being
+/// taken). Hashing on a worker thread instead bought nothing measurable on a 64 MiB save.
 template <class Archive, class T>
 void save_raw_values(Archive& ar, std::span<const T> values, content_hash* hash) {
-  if (hash != nullptr && values.size_bytes() >= background_hash_bytes && std::endian::native == std::endian::little) {
-    std::optional<background_hash> behind;
-    try {
-      behind.emplace(*hash, values.data(), values.size_bytes());
-    } catch (const std::system_error&) {  // no thread to spare: hash inline
-    } catch (const std::bad_alloc&) {     // nor memory for one
-    }
-    if (behind) {
-      behind->filled(values.size_bytes());
-      ar(cereal::binary_data(values.data(), values.size_bytes()));
-      behind->finish();
-      return;
-    }
-  }
   constexpr std::size_t block = saved_block_bytes / sizeof(T);
   for (std::size_t done = 0; done < values.size(); done += block) {
     const std::span<const T> piece = values.subspan(done, std::min(block, values.size() - done));
@@ -933,6 +918,7 @@ void save_binary_tensors(Archive& ar, const Tensors& tensors, const values_view&
 /// and values block (see above), `block` the buffer views lie in, if any.
 template <class Archive, class Tensors>
 void save_checksummed_tensors(Archive& ar, const Tensors& tensors, const values_view& block = {}) {
+  save_tag(ar, gradients_tag);
   content_hash hash;
   ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
                         if constexpr (is_text_archive<Archive>) {
@@ -958,6 +944,7 @@ void save(Archive& ar, const gradients_view& gradients, const std::uint32_t /*ve
 
 template <class Archive>
 void save(Archive& ar, const weighted_gradients_view& record, const std::uint32_t /*version*/) {
+  save_tag(ar, window_tag);
   ar(cereal::make_nvp("state", record.state), cereal::make_nvp("gradients", record.gradients));
 }
 
@@ -971,7 +958,7 @@ void save(Archive& ar, const weighted_gradients_view& record, const std::uint32_
 //   add(std::string&& id, float_dtype, const tensor_shape&, const values_reader<A>&)
 //                                                one tensor, whose values it reads with the
 //                                                reader; it may move from `id` once they are in;
-// and, for binary records of format 4, in place of `add`:
+// and, for binary gradients records, in place of `add`:
 //   place(std::string_view id, float_dtype, const tensor_shape&)
 //                                                one tensor of the directory, in its order;
 //   values(const values_block<A>&)               all their values, once the directory is read.
@@ -991,25 +978,14 @@ class values_reader {
       parse_values_text(text_, out, site_);
       if (hash_ != nullptr) hash_->add_text_values(std::span<const S>(out));
     } else {
+      // Each piece is hashed while it is still in cache; a worker thread hashing behind the
+      // reads was measured no faster on a 64 MiB load.
       constexpr std::size_t block = loaded_block_bytes / sizeof(S);
-      std::optional<background_hash> behind;
-      if (hash_ != nullptr && out.size_bytes() >= background_hash_bytes && std::endian::native == std::endian::little) {
-        try {
-          behind.emplace(*hash_, out.data(), out.size_bytes());
-        } catch (const std::system_error&) {  // no thread to spare: hash inline
-        } catch (const std::bad_alloc&) {     // nor memory for one
-        }
-      }
       for (std::size_t done = 0; done < out.size(); done += block) {
         const std::span<S> piece = out.subspan(done, std::min(block, out.size() - done));
         ar_(cereal::binary_data(piece.data(), piece.size_bytes()));
-        if (behind) {
-          behind->filled((done + piece.size()) * sizeof(S));
-        } else if (hash_ != nullptr) {
-          hash_->add_values(std::span<const S>(piece));
-        }
+        if (hash_ != nullptr) hash_->add_values(std::span<const S>(piece));
       }
-      if (behind) behind->finish();
     }
   }
 
@@ -1113,37 +1089,6 @@ std::string load_directory(Archive& ar, std::uint64_t count, std::uint64_t min_e
   return directory;
 }
 
-/// Reads the directory and values of a binary gradients record of format 3 (see above) into
-/// `sink`. The directory is read only if the input holds it, and no tensor is handed on before
-/// its entry has been checked.
-template <class Archive, class Sink>
-void load_binary_tensors(Archive& ar, Sink& sink, std::uint64_t count, const load_site& site) {
-  content_hash* const hash = active_hash;
-  std::string directory = load_directory(ar, count, min_directory_entry_bytes, max_directory_entry_bytes, site);
-  sink.reserve(static_cast<std::size_t>(count));
-  directory_reader entries(directory, site);
-  std::string id;  // reused: a sink that keeps ids moves from it, others leave its buffer
-  for (std::uint64_t i = 0; i < count; ++i) {
-    id.assign(entries.id());
-    const load_site tensor_site{errc::invalid_record, "record tensor", &id};
-    const float_dtype dtype = entries.dtype();
-    const auto rank = entries.little_endian<std::uint8_t>();
-    if (rank > max_rank) {
-      tensor_site.fail("has rank " + std::to_string(rank) + ", more than the supported " + std::to_string(max_rank) +
-                       ".");
-    }
-    std::array<std::uint64_t, max_rank> dims{};
-    for (std::size_t axis = 0; axis < rank; ++axis) dims[axis] = entries.little_endian<std::uint64_t>();
-    const tensor_shape shape(std::span<const std::uint64_t>(dims.data(), rank));
-    const std::optional<std::size_t> elements = shape.checked_element_count();
-    if (!elements) tensor_site.fail("has shape " + shape.to_string() + ", whose element count overflows.");
-    if (hash != nullptr) hash_tensor_header(*hash, id, dtype, std::span(dims.data(), rank), *elements);
-    visit_stored_type(dtype, [&]<class S>() { check_block_fits<S>(ar, *elements, tensor_site, "values"); });
-    sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, *elements, tensor_site, {}, hash));
-  }
-  if (!entries.at_end()) site.fail("has a directory with bytes after its last tensor: it is corrupt.");
-}
-
 /// Whether `size` bytes from `bytes` are all zero.
 inline bool all_zero(const unsigned char* bytes, std::size_t size) noexcept {
   return size == 0 || (bytes[0] == 0 && std::memcmp(bytes, bytes + 1, size - 1) == 0);
@@ -1156,7 +1101,7 @@ struct block_entry {
   float_dtype dtype;
 };
 
-/// @brief The values block of a binary gradients record of format 4, not read yet; its entries
+/// @brief The values block of a binary gradients record, not read yet; its entries
 /// (in directory order) lie inside it. The block is read once, either whole or entry by entry.
 template <class Archive>
 class values_block {
@@ -1223,7 +1168,7 @@ class values_block {
   content_hash& hash_;
 };
 
-/// Reads the directory of a binary gradients record of format 4 (see "The values block"
+/// Reads the directory of a binary gradients record (see "The values block"
 /// above), has `sink` place each tensor, then hands it the values block. Every length is
 /// checked against what can hold it, and the directory against its checksum, before it is
 /// used; `hash` takes the block.
@@ -1341,49 +1286,30 @@ void load(Archive& ar, tensor_into<Sink>& into, const std::uint32_t version) {
 template <class Archive, class Sink>
 void load(Archive& ar, gradients_into<Sink>& into, const std::uint32_t version) {
   check_format_version(version, "a gradients record");
-  const version_scope nested(version);
+  check_tag(ar, gradients_tag);
   const load_site site{errc::invalid_record, "gradients record"};
   content_hash hash;
-  const hash_scope scope(has_checksum(version) ? &hash : nullptr);
+  const hash_scope scope(&hash);
   read_field<Archive>(site, "tensors", "a list of tensors", [&] {
     ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
                           cereal::size_type count = 0;
                           node(cereal::make_size_tag(count));
-                          if constexpr (!is_text_archive<Archive>) {
-                            if (version >= 4) {
-                              load_block_tensors(node, *into.sink, count, site, hash);
-                              return;
-                            }
-                            if (version == 3) {
-                              load_binary_tensors(node, *into.sink, count, site);
-                              return;
-                            }
-                          }
-                          // A text archive's count is the length of an array it has parsed; a binary archive's
-                          // may be forged, so there the sink reserves only what the remaining input can hold.
                           if constexpr (is_text_archive<Archive>) {
+                            // The count is the length of an array the archive has parsed.
                             into.sink->reserve(static_cast<std::size_t>(count));
-                          } else if (const auto remaining = remaining_input(node)) {
-                            const std::uint64_t room = *remaining / min_binary_tensor_bytes;
-                            into.sink->reserve(static_cast<std::size_t>(std::min<std::uint64_t>(count, room)));
-                          }
-                          // The first tensor through cereal, which reads the version (as version 2 wrote it).
-                          for (cereal::size_type i = 0; i < count; ++i) {
-                            if (is_text_archive<Archive> || i == 0) {
-                              load_listed_tensor(node, *into.sink);
-                            } else {
-                              load_tensor(node, *into.sink);
-                            }
+                            for (cereal::size_type i = 0; i < count; ++i) load_listed_tensor(node, *into.sink);
+                          } else {
+                            load_block_tensors(node, *into.sink, count, site, hash);
                           }
                         }}));
   });
-  if (has_checksum(version)) check_checksum(ar, site, hash.digest());
+  check_checksum(ar, site, hash.digest());
 }
 
 template <class Archive, class Sink>
 void load(Archive& ar, weighted_into<Sink>& into, const std::uint32_t version) {
   check_format_version(version, "a weighted gradients record");
-  const version_scope nested(version);
+  check_tag(ar, window_tag);
   weighted_accumulation_state state;
   // The state comes first, so a reader learns the work dtype before any tensor.
   read_field<Archive>({errc::invalid_state, "weighted gradients record"}, "state", "an accumulation state",
@@ -1450,6 +1376,7 @@ void load(Archive& ar, gradients_params_record& record, const std::uint32_t vers
 template <class Archive>
 void save(Archive& ar, const weighted_accumulation_state& state, const std::uint32_t /*version*/) {
   validate(state);
+  detail::save_tag(ar, detail::state_tag);
   detail::save_string(ar, "dtype", to_string(state.dtype));
   ar(cereal::make_nvp("loss_scale", state.loss_scale), cereal::make_nvp("total_weight", state.total_weight),
      cereal::make_nvp("microbatches", state.microbatches), cereal::make_nvp("checksum", detail::state_checksum(state)));
@@ -1458,6 +1385,7 @@ void save(Archive& ar, const weighted_accumulation_state& state, const std::uint
 template <class Archive>
 void load(Archive& ar, weighted_accumulation_state& state, const std::uint32_t version) {
   detail::check_format_version(version, "an accumulation state");
+  detail::check_tag(ar, detail::state_tag);
   const detail::load_site site{errc::invalid_state, "accumulation state"};
   weighted_accumulation_state loaded;
   loaded.dtype = detail::load_dtype(ar, site);
@@ -1465,15 +1393,14 @@ void load(Archive& ar, weighted_accumulation_state& state, const std::uint32_t v
   loaded.total_weight = detail::load_real(ar, site, "total_weight");
   loaded.microbatches = detail::load_unsigned(ar, site, "microbatches", std::numeric_limits<std::uint64_t>::max());
   // The checksum first: a corrupt state is reported as corrupt, not as an implausible value.
-  if (detail::has_checksum(version)) {
-    detail::check_checksum(ar, {errc::invalid_record, "accumulation state"}, detail::state_checksum(loaded));
-  }
+  detail::check_checksum(ar, {errc::invalid_record, "accumulation state"}, detail::state_checksum(loaded));
   validate(loaded);
   state = loaded;
 }
 
 template <class Archive>
 void save(Archive& ar, const dynamic_loss_scale_state& state, const std::uint32_t /*version*/) {
+  detail::save_tag(ar, detail::loss_scale_tag);
   ar(cereal::make_nvp("scale", state.scale), cereal::make_nvp("growth_tracker", state.growth_tracker),
      cereal::make_nvp("hysteresis_left", state.hysteresis_left),
      cereal::make_nvp("checksum", detail::loss_scale_checksum(state)));
@@ -1482,15 +1409,14 @@ void save(Archive& ar, const dynamic_loss_scale_state& state, const std::uint32_
 template <class Archive>
 void load(Archive& ar, dynamic_loss_scale_state& state, const std::uint32_t version) {
   detail::check_format_version(version, "a loss scale state");
+  detail::check_tag(ar, detail::loss_scale_tag);
   const detail::load_site site{errc::invalid_state, "loss scale state"};
   dynamic_loss_scale_state loaded;
   loaded.scale = detail::load_real(ar, site, "scale");
   loaded.growth_tracker = detail::load_unsigned(ar, site, "growth_tracker", std::numeric_limits<std::uint64_t>::max());
   loaded.hysteresis_left =
       detail::load_unsigned(ar, site, "hysteresis_left", std::numeric_limits<std::uint64_t>::max());
-  if (detail::has_checksum(version)) {
-    detail::check_checksum(ar, {errc::invalid_record, "loss scale state"}, detail::loss_scale_checksum(loaded));
-  }
+  detail::check_checksum(ar, {errc::invalid_record, "loss scale state"}, detail::loss_scale_checksum(loaded));
   if (!detail::valid_f32_scale(loaded.scale))
     site.fail("has scale " + detail::number_text(loaded.scale) + ", not a positive F32 value.");
   if (loaded.hysteresis_left == 0) site.fail("has hysteresis_left 0; at least 1 is needed.");
@@ -1500,6 +1426,7 @@ void load(Archive& ar, dynamic_loss_scale_state& state, const std::uint32_t vers
 template <class Archive>
 void save(Archive& ar, const weighted_gradients_record& record, const std::uint32_t /*version*/) {
   validate(record);
+  detail::save_tag(ar, detail::window_tag);
   ar(cereal::make_nvp("state", record.state), cereal::make_nvp("gradients", record.gradients));
 }
 

@@ -17,16 +17,22 @@
 /// - `load_checkpoint<Record>(path[, format])` and `load_checkpoint(path, params, accumulator
 ///   [, format])` read untrusted bytes: every problem with the content throws `gradaccum::error`
 ///   (`errc::invalid_record` or `errc::invalid_state`) naming the problem and the path; nothing
-///   larger than the file is ever allocated; checksums (record formats 3 and 4) refuse any changed
-///   content; JSON and XML documents nesting deeper than `max_document_depth` are rejected; an
-///   accumulator is changed only when everything loaded and validated. Files that are not
-///   regular (FIFO, device, socket) are refused without blocking.
+///   larger than the file is ever allocated; checksums refuse any changed content; JSON and XML
+///   documents nesting deeper than `max_document_depth` are rejected; an accumulator is changed
+///   only when everything loaded and validated. Files that are not regular (FIFO, device,
+///   socket) are refused without blocking. Only `record_format_version` loads: a file of
+///   another version is refused naming it. A file read as another archive than the one that
+///   wrote it (binary, portable binary, JSON, XML: told by its first bytes), or holding another
+///   record type than the one asked for (told by the tag every record starts with), is refused
+///   naming what it is.
 /// - `save_checkpoint(path, accumulator, scaler[, format])` and `load_checkpoint(path, params,
 ///   accumulator, scaler[, format])` keep a window and the `dynamic_loss_scale` that drives it in
 ///   one file, written and restored together: a resumed run continues with the same pending
 ///   values, scale and counters, bit for bit. Loading such a file without the scaler (or a file
-///   without one with it) is refused, so neither is lost silently.
-/// - `checkpoint_version(path)` tells a file's record format version (3 has checksums).
+///   without one with it) is refused, so neither is lost silently. `load_checkpoint_contents<R>(path)`
+///   reads such a file with or without the scaler's state, for tools that show a file.
+/// - `checkpoint_version(path)` tells a file's record format version, also of a version this
+///   build does not load.
 /// - `serialize_checkpoint` / `parse_checkpoint` do the same in memory.
 ///
 /// The format is explicit or follows the extension: `.bin` binary (native byte order, fastest),
@@ -139,8 +145,9 @@ void save_checkpoint(const std::filesystem::path& path, const R& record,
                      std::optional<checkpoint_format> format = std::nullopt);
 
 /// @brief The format version of the outermost record of the checkpoint at `path`, read from its
-/// first bytes without loading it. Versions before 3 carry no checksum.
-/// @throws error(errc::invalid_record) for a file that does not start like a checkpoint;
+/// first bytes without loading it (also of a version this build does not load).
+/// @throws error(errc::invalid_record) for a file that does not start like a checkpoint of
+/// `format` (one of another archive is named);
 /// std::filesystem::filesystem_error when the file cannot be read.
 inline std::uint32_t checkpoint_version(const std::filesystem::path& path,
                                         std::optional<checkpoint_format> format = std::nullopt);
@@ -151,6 +158,22 @@ inline std::uint32_t checkpoint_version(const std::filesystem::path& path,
 template <checkpoint_record R>
 [[nodiscard]] R load_checkpoint(const std::filesystem::path& path,
                                 std::optional<checkpoint_format> format = std::nullopt);
+
+/// @brief A record and, when the file holds one after it, the loss scale state saved with it.
+template <checkpoint_record R>
+struct checkpoint_contents {
+  R record;
+  std::optional<dynamic_loss_scale_state> loss_scale;
+};
+
+/// @brief Reads what a checkpoint file holds, as `load_checkpoint<R>` does, whether or not a
+/// window was saved with its `dynamic_loss_scale` (`save_checkpoint(path, accumulator, scaler)`):
+/// for tools that show a file. The loss scale state is checked on its own (a positive F32
+/// scale, hysteresis_left ≥ 1), not against any scaler's options.
+/// @throws what `load_checkpoint<R>` throws.
+template <checkpoint_record R>
+[[nodiscard]] checkpoint_contents<R> load_checkpoint_contents(const std::filesystem::path& path,
+                                                              std::optional<checkpoint_format> format = std::nullopt);
 
 /// @brief Saves an accumulator's record (`try_to_record()`): pending values, and for a weighted
 /// accumulator the window's state. Values are written straight from the pending tensors where
@@ -310,6 +333,9 @@ class memory_streambuf final : public sized_streambuf {
   [[nodiscard]] std::uint64_t remaining() const noexcept override {
     return static_cast<std::uint64_t>(egptr() - gptr());
   }
+  std::string_view peek(std::size_t count) noexcept override {
+    return {gptr(), std::min(count, static_cast<std::size_t>(egptr() - gptr()))};
+  }
 };
 
 /// @brief Appends to a string. Unlike `std::stringbuf`, whose failed allocation an
@@ -332,30 +358,44 @@ class string_sink final : public std::streambuf {
   std::string& out_;
 };
 
+/// Whether a checkpoint holds a loss scale state after its record: it must not, it must, or it
+/// may.
+enum class loss_scale_part : std::uint8_t { refused, required, optional };
+
 /// Reads `into` (a record, or a loader's sink target such as `weighted_into<S>`) from
-/// `source` (text formats: from `text`, the whole document) with the hardened loaders, as the outermost object of a
-/// document holding a record of type R, then `scale` when given; cereal's own failures (a short outermost version,
+/// `source` (text formats: from `text`, the whole document) with the hardened loaders, as the
+/// outermost object of a document holding a record of type R, then the loss scale state that
+/// follows it into `scale` as `part` allows; cereal's own failures (a short outermost version,
 /// a root that is not an object) become `error(errc::invalid_record)` too. The document must hold
 /// nothing else: binary input ends there, a text document has no other outermost node.
 template <checkpoint_record R, class Into>
 void read_into(sized_streambuf& source, std::string_view text, checkpoint_format format, Into& into,
-               dynamic_loss_scale_state* scale = nullptr) {
-  const auto read_all = [&](auto& archive) {
-    archive(into);
-    if (scale != nullptr) {
-      try {
-        archive(cereal::make_nvp(loss_scale_node, *scale));
-      } catch (const cereal::Exception&) {
+               loss_scale_part part = loss_scale_part::refused,
+               std::optional<dynamic_loss_scale_state>* scale = nullptr) {
+  const bool with_scale = part != loss_scale_part::refused;
+  const auto refuse_more = [&] {
+    fail(errc::invalid_record, std::string("checkpoint holds more than its ") + record_name<R>() +
+                                   (with_scale ? " and loss scale" : "") +
+                                   " (a window saved with its dynamic_loss_scale loads with "
+                                   "load_checkpoint(path, params, accumulator, scaler)).");
+  };
+  // After the record: `more` tells whether the input holds anything else (binary input left
+  // over without a scale is reported below, with its size).
+  const auto read_scale = [&](auto& archive, bool more) {
+    if (!more) {
+      if (part == loss_scale_part::required) {
         fail(errc::invalid_record, std::string("checkpoint holds no dynamic loss scale after its ") + record_name<R>() +
                                        "; load it without a scaler.");
       }
+      return;
     }
-  };
-  const auto refuse_more = [&] {
-    fail(errc::invalid_record, std::string("checkpoint holds more than its ") + record_name<R>() +
-                                   (scale != nullptr ? " and loss scale" : "") +
-                                   " (a window saved with its dynamic_loss_scale loads with "
-                                   "load_checkpoint(path, params, accumulator, scaler)).");
+    if (!with_scale) {
+      if (is_text_format(format)) refuse_more();
+      return;
+    }
+    dynamic_loss_scale_state state;
+    archive(cereal::make_nvp(loss_scale_node, state));
+    scale->emplace(state);
   };
   const auto fail_with = [&](const char* cause) {
     // Outside our loaders, cereal only reads a binary input's version and byte order tag.
@@ -367,17 +407,21 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
       using input = typename Archives::input;
       if constexpr (std::is_same_v<input, json_input_archive>) {
         input archive(text);
-        read_all(archive);
-        if (archive.root_members() != (scale != nullptr ? 2U : 1U)) refuse_more();
+        archive(into);
+        read_scale(archive, archive.root_members() > 1);
+        if (archive.root_members() > (scale != nullptr && scale->has_value() ? 2U : 1U)) refuse_more();
       } else {
         sized_input_archive<input> archive(source);
         // cereal's XML archive dereferences a null node when asked for a record it does not hold.
         if constexpr (requires { archive.getNodeName(); }) {
           if (archive.getNodeName() == nullptr) fail(errc::invalid_record, "checkpoint holds no record.");
         }
-        read_all(archive);
+        archive(into);
         if constexpr (requires { archive.getNodeName(); }) {
+          read_scale(archive, archive.getNodeName() != nullptr);
           if (archive.getNodeName() != nullptr) refuse_more();
+        } else {
+          read_scale(archive, source.remaining() != 0);
         }
       }
     });
@@ -388,19 +432,87 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
   }
   if (!is_text_format(format) && source.remaining() != 0) {
     fail(errc::invalid_record, "checkpoint has " + std::to_string(source.remaining()) + " bytes after its " +
-                                   (scale != nullptr ? "record and loss scale" : "record") + "; it is not one " +
+                                   (with_scale ? "record and loss scale" : "record") + "; it is not one " +
                                    std::string(to_string(format)) + " record" +
-                                   (scale != nullptr ? ""
-                                                     : " (a window saved with its dynamic_loss_scale loads with "
-                                                       "load_checkpoint(path, params, accumulator, scaler))") +
+                                   (with_scale ? ""
+                                               : " (a window saved with its dynamic_loss_scale loads with "
+                                                 "load_checkpoint(path, params, accumulator, scaler))") +
                                    ".");
   }
 }
+
+/// "a binary archive", "a portable binary archive", "a JSON document", "an XML document".
+constexpr std::string_view archive_description(checkpoint_format format) noexcept {
+  switch (format) {
+    case checkpoint_format::portable_binary: return "a portable binary archive";
+    case checkpoint_format::json: return "a JSON document";
+    case checkpoint_format::xml: return "an XML document";
+    case checkpoint_format::binary: break;
+  }
+  return "a binary archive";
+}
+
+/// The u32 at `at` of `head`, of the given byte order, if `head` holds it.
+inline std::optional<std::uint32_t> u32_at(std::string_view head, std::size_t at, bool little) noexcept {
+  if (head.size() < at + 4) return std::nullopt;
+  std::uint32_t value = 0;
+  for (std::size_t i = 0; i < 4; ++i) {
+    const auto byte = static_cast<std::uint32_t>(static_cast<unsigned char>(head[at + (little ? i : 3 - i)]));
+    value |= byte << (8 * i);
+  }
+  return value;
+}
+
+/// Bytes of a checkpoint's start that tell its archive: a portable binary archive's byte-order
+/// byte, the class version and the record tag.
+inline constexpr std::size_t archive_head_bytes = 1 + 4 + record_magic_bytes;
+
+/// The archive that wrote a checkpoint starting with `head`: a JSON or XML document by its first
+/// character; a binary or portable binary archive by where a record tag lies (after the class
+/// version; in a portable binary archive after its byte-order byte, 0 or 1, too), or, for
+/// records of the formats before tags (2 to 4), where one of their versions does. Empty when
+/// it starts like none of these or is too short to tell.
+inline std::optional<checkpoint_format> archive_of(std::string_view head) noexcept {
+  const std::size_t first = head.find_first_not_of(" \t\r\n");
+  if (first != std::string_view::npos && head[first] == '{') return checkpoint_format::json;
+  if (first != std::string_view::npos && head[first] == '<') return checkpoint_format::xml;
+  const bool byte_order = !head.empty() && (head[0] == 0 || head[0] == 1);
+  const auto tag_at = [&](std::size_t at) {
+    return head.size() >= at + record_magic_bytes && find_tag(head.substr(at, record_magic_bytes), true) != nullptr;
+  };
+  if (tag_at(4)) return checkpoint_format::binary;
+  if (byte_order && tag_at(5)) return checkpoint_format::portable_binary;
+  const auto before_tags = [](std::optional<std::uint32_t> version) {
+    return version && *version >= 2 && *version < record_format_version;
+  };
+  if (before_tags(u32_at(head, 0, std::endian::native == std::endian::little))) return checkpoint_format::binary;
+  if (byte_order && before_tags(u32_at(head, 1, head[0] == 1))) return checkpoint_format::portable_binary;
+  return std::nullopt;
+}
+
+/// Refuses a checkpoint that starts like another archive than `format`'s, naming it, or a binary
+/// one that starts like no checkpoint at all.
+inline void check_archive(std::string_view head, checkpoint_format format) {
+  const std::optional<checkpoint_format> found = archive_of(head);
+  if (found && *found != format) {
+    fail(errc::invalid_record, "checkpoint is " + std::string(archive_description(*found)) + ", not " +
+                                   std::string(archive_description(format)) + "; load it as " +
+                                   std::string(to_string(*found)) + ".");
+  }
+  if (!found && !is_text_format(format) && head.size() >= archive_head_bytes) {
+    fail(errc::invalid_record, "checkpoint does not start like " + std::string(archive_description(format)) +
+                                   " of a gradaccum record: its first bytes are " + quote(head) + ".");
+  }
+}
+
+/// How much of a document's start `check_archive` sees: enough to skip leading whitespace.
+inline constexpr std::size_t text_head_bytes = 64;
 
 /// Runs `read(source, bytes)` over `bytes`; XML documents are checked first
 /// (`check_xml_document`).
 template <class F>
 void read_bytes(std::string_view bytes, checkpoint_format format, F&& read) {
+  check_archive(bytes.substr(0, text_head_bytes), format);
   if (format == checkpoint_format::xml) check_xml_document(bytes);
   memory_streambuf source(bytes);
   std::forward<F>(read)(source, bytes);
@@ -428,6 +540,7 @@ void read_file(const std::filesystem::path& path, checkpoint_format format, F&& 
     if (is_text_format(format)) {
       read_bytes(source.read_all(), format, std::forward<F>(read));
     } else {
+      check_archive(source.peek(archive_head_bytes), format);
       std::forward<F>(read)(source, std::string_view());
     }
   } catch (const error& e) {
@@ -441,33 +554,55 @@ template <checkpoint_record R, class Sink>
 using into_for =
     std::conditional_t<std::is_same_v<R, weighted_gradients_record>, weighted_into<Sink>, gradients_into<Sink>>;
 
-/// The format version of the outermost record of a document that starts with `head`.
-inline std::uint32_t version_in(std::string_view head, checkpoint_format format) {
-  const auto read_u32 = [&](std::size_t at, bool little) -> std::optional<std::uint32_t> {
-    if (head.size() < at + 4) return std::nullopt;
-    std::uint32_t value = 0;
-    for (std::size_t i = 0; i < 4; ++i) {
-      const auto byte = static_cast<std::uint32_t>(static_cast<unsigned char>(head[at + (little ? i : 3 - i)]));
-      value |= byte << (8 * i);
-    }
-    return value;
-  };
+/// @brief What a checkpoint's first bytes tell: its outermost record's format version and, from
+/// format 5 on, that record's type (else null).
+struct checkpoint_start {
+  std::uint32_t version = 0;
+  const record_tag* record = nullptr;
+};
+
+/// The start of a document of `format` whose first bytes are `head`.
+/// @throws error(errc::invalid_record) when `head` starts like another archive or like no record.
+inline checkpoint_start start_of(std::string_view head, checkpoint_format format) {
+  check_archive(head.substr(0, is_text_format(format) ? text_head_bytes : archive_head_bytes), format);
+  checkpoint_start start;
   std::optional<std::uint32_t> version;
   if (format == checkpoint_format::binary) {
-    version = read_u32(0, std::endian::native == std::endian::little);
+    version = u32_at(head, 0, std::endian::native == std::endian::little);
+    if (head.size() >= 4 + record_magic_bytes) start.record = find_tag(head.substr(4, record_magic_bytes), true);
   } else if (format == checkpoint_format::portable_binary) {
-    version = head.empty() ? std::nullopt : read_u32(1, head[0] == 1);  // after the byte-order tag
+    version = head.empty() ? std::nullopt : u32_at(head, 1, head[0] == 1);  // after the byte-order byte
+    if (head.size() >= 5 + record_magic_bytes) start.record = find_tag(head.substr(5, record_magic_bytes), true);
   } else {
-    const std::string_view key =
-        format == checkpoint_format::json ? "\"cereal_class_version\"" : "<cereal_class_version>";
-    if (const std::size_t at = head.find(key); at != std::string_view::npos) {
-      std::string_view rest = head.substr(at + key.size());
-      rest.remove_prefix(std::min(rest.find_first_of("0123456789"), rest.size()));
-      version = parse_number<std::uint32_t>(rest.substr(0, rest.find_first_not_of("0123456789")));
-    }
+    // The first number after the key; for the tag, the first string after it.
+    const bool json = format == checkpoint_format::json;
+    const auto after = [&](std::string_view key) {
+      const std::size_t at = head.find(key);
+      return at == std::string_view::npos ? std::string_view() : head.substr(at + key.size());
+    };
+    std::string_view rest = after(json ? "\"cereal_class_version\"" : "<cereal_class_version>");
+    rest.remove_prefix(std::min(rest.find_first_of("0123456789"), rest.size()));
+    version = parse_number<std::uint32_t>(rest.substr(0, rest.find_first_not_of("0123456789")));
+    std::string_view name = after(json ? "\"record\"" : "<record>");
+    if (json) name.remove_prefix(std::min(name.find('"') + 1, name.size()));
+    start.record = find_tag(name.substr(0, name.find(json ? '"' : '<')), false);
   }
   if (!version) fail(errc::invalid_record, "checkpoint does not start with a record's format version.");
-  return *version;
+  start.version = *version;
+  return start;
+}
+
+/// The start of the checkpoint at `path` (see `start_of`), read from its first 4 KiB.
+inline checkpoint_start read_start(const std::filesystem::path& path, checkpoint_format format) {
+  file_source source(path);
+  std::string head(static_cast<std::size_t>(std::min<std::uint64_t>(source.remaining(), 4096)), '\0');
+  head.resize(static_cast<std::size_t>(source.sgetn(head.data(), static_cast<std::streamsize>(head.size()))));
+  source.throw_if_failed();
+  try {
+    return start_of(head, format);
+  } catch (const error& e) {
+    fail_in_file(e, path);
+  }
 }
 
 }  // namespace detail
@@ -496,16 +631,7 @@ void save_checkpoint(const std::filesystem::path& path, const R& record, std::op
 }
 
 inline std::uint32_t checkpoint_version(const std::filesystem::path& path, std::optional<checkpoint_format> format) {
-  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
-  detail::file_source source(path);
-  std::string head(static_cast<std::size_t>(std::min<std::uint64_t>(source.remaining(), 4096)), '\0');
-  head.resize(static_cast<std::size_t>(source.sgetn(head.data(), static_cast<std::streamsize>(head.size()))));
-  source.throw_if_failed();
-  try {
-    return detail::version_in(head, resolved);
-  } catch (const error& e) {
-    detail::fail_in_file(e, path);
-  }
+  return detail::read_start(path, format ? *format : checkpoint_format_for(path)).version;
 }
 
 template <checkpoint_record R>
@@ -516,6 +642,18 @@ R load_checkpoint(const std::filesystem::path& path, std::optional<checkpoint_fo
     detail::read_into<R>(source, text, resolved, record);
   });
   return record;
+}
+
+template <checkpoint_record R>
+checkpoint_contents<R> load_checkpoint_contents(const std::filesystem::path& path,
+                                                std::optional<checkpoint_format> format) {
+  const checkpoint_format resolved = format ? *format : checkpoint_format_for(path);
+  checkpoint_contents<R> contents;
+  detail::read_file(path, resolved, [&](detail::sized_streambuf& source, std::string_view text) {
+    detail::read_into<R>(source, text, resolved, contents.record, detail::loss_scale_part::optional,
+                         &contents.loss_scale);
+  });
+  return contents;
 }
 
 namespace detail {
@@ -541,9 +679,10 @@ void load_accumulator(const std::filesystem::path& path, const parameter_set<B>&
   into_for<record_type, restorer> into{&sink};
   std::optional<dynamic_loss_scale> restored;
   read_file(path, resolved, [&](sized_streambuf& source, std::string_view text) {
-    dynamic_loss_scale_state state;
-    read_into<record_type>(source, text, resolved, into, scaler != nullptr ? &state : nullptr);
-    if (scaler != nullptr) restored.emplace(scaler->options(), state);  // an unreachable state throws here
+    std::optional<dynamic_loss_scale_state> state;
+    read_into<record_type>(source, text, resolved, into,
+                           scaler != nullptr ? loss_scale_part::required : loss_scale_part::refused, &state);
+    if (scaler != nullptr) restored.emplace(scaler->options(), *state);  // an unreachable state throws here
   });
   std::move(sink).commit();  // neither of these two can throw
   if (scaler != nullptr) *scaler = *restored;

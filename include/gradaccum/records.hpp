@@ -69,6 +69,27 @@ struct weighted_gradients_record {
 
 namespace detail {
 
+/// `text` in quotes for a message or a listing: bytes outside printable ASCII, backslashes and
+/// quotes escaped as `\xHH`, so an id's bytes (NUL and terminal escapes included) never reach a
+/// terminal raw and distinct ids print distinctly; cut after `shown` bytes with "..." (a
+/// message keeps a long id short, a listing shows it whole).
+inline std::string quote(std::string_view text, std::size_t shown = 64) {
+  constexpr std::string_view hex = "0123456789abcdef";
+  std::string out = "'";
+  for (std::size_t i = 0; i < text.size() && i < shown; ++i) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    if (byte >= 0x20 && byte < 0x7f && byte != '\\' && byte != '\'') {
+      out += static_cast<char>(byte);
+    } else {
+      out += "\\x";
+      out += hex[byte >> 4];
+      out += hex[byte & 0xf];
+    }
+  }
+  if (text.size() > shown) out += "...";
+  return out + "'";
+}
+
 /// Index of the `record_values` alternative that holds `dtype`.
 constexpr std::size_t values_index(float_dtype dtype) noexcept {
   return dtype == float_dtype::f64 ? 2 : dtype == float_dtype::f32 ? 1 : 0;
@@ -134,7 +155,7 @@ inline void validate(const gradients_params_record& record) {
     const tensor_shape shape = [&] {
       if (tensor.shape.size() > max_rank) {
         detail::fail(errc::invalid_record,
-                     "record tensor '" + tensor.id + "' has rank " + std::to_string(tensor.shape.size()) +
+                     "record tensor " + detail::quote(tensor.id) + " has rank " + std::to_string(tensor.shape.size()) +
                          ", more than the supported " + std::to_string(max_rank) + ".",
                      tensor.id);
       }
@@ -142,22 +163,23 @@ inline void validate(const gradients_params_record& record) {
     }();
     if (tensor.values.index() != detail::values_index(tensor.dtype)) {
       detail::fail(errc::invalid_record,
-                   "record tensor '" + tensor.id + "' holds values of another dtype than its " +
+                   "record tensor " + detail::quote(tensor.id) + " holds values of another dtype than its " +
                        std::string(to_string(tensor.dtype)) + ".",
                    tensor.id);
     }
     const auto count = shape.checked_element_count();
     if (!count || *count != detail::values_size(tensor.values)) {
       detail::fail(errc::invalid_record,
-                   "record tensor '" + tensor.id + "' has " + std::to_string(detail::values_size(tensor.values)) +
-                       " values for shape " + shape.to_string() + ".",
+                   "record tensor " + detail::quote(tensor.id) + " has " +
+                       std::to_string(detail::values_size(tensor.values)) + " values for shape " + shape.to_string() +
+                       ".",
                    tensor.id);
     }
   }
   // Records list tensors sorted by id, so a duplicate is a neighbour: one pass. Only a record
   // in another order needs sorting (thousands of ids sharing long prefixes sort slowly).
   const auto fail_duplicate = [](const std::string& id) {
-    detail::fail(errc::invalid_record, "record lists tensor '" + id + "' twice.", id);
+    detail::fail(errc::invalid_record, "record lists tensor " + detail::quote(id) + " twice.", id);
   };
   const auto by_id = [](const tensor_record& a, const tensor_record& b) { return a.id < b.id; };
   if (std::is_sorted(record.tensors.begin(), record.tensors.end(), by_id)) {
@@ -214,7 +236,7 @@ void check_pending_against(const weighted_accumulation_state& state, std::size_t
   for_each_tensor([&](const std::string& id, float_dtype dtype) {
     if (dtype != state.dtype) {
       fail(errc::invalid_state,
-           "pending tensor '" + id + "' has dtype " + std::string(to_string(dtype)) +
+           "pending tensor " + quote(id) + " has dtype " + std::string(to_string(dtype)) +
                " but the accumulation state's work dtype is " + std::string(to_string(state.dtype)) + ".",
            id);
     }

@@ -1,6 +1,8 @@
 /// @file
 /// @brief Writes the seed corpus of the fuzz harnesses: a few valid weighted records in every
-/// format, as corpus/<format>/<name>. Run from tests/fuzz after changing the record format:
+/// format, as corpus/<format>/<name>, and one followed by its loss scale state (as
+/// `save_checkpoint(path, accumulator, scaler)` writes it), which the harnesses' loaders refuse
+/// and `gradaccum-inspect` shows. Run from tests/fuzz after changing the record format:
 /// `meson compile -C build make_seed_corpus && (cd tests/fuzz && ../../build/tests/fuzz/make_seed_corpus)`.
 
 #include <cstdint>
@@ -49,6 +51,11 @@ int main() {
     std::filesystem::create_directories(directory);
     for (const auto& [name, record] : seeds) {
       std::ofstream(directory / name, std::ios::binary | std::ios::trunc) << serialize_checkpoint(record, format);
+    }
+    {
+      const dynamic_loss_scale_state scale{32768.0, 5, 1};
+      std::ofstream out(directory / "two_tensors_with_loss_scale", std::ios::binary | std::ios::trunc);
+      detail::write_record(out, seeds[2].second, format, &scale);
     }
     if (detail::is_text_format(format)) continue;  // text archives write it as the record
     std::ofstream out(directory / "two_tensors_buffer", std::ios::binary | std::ios::trunc);

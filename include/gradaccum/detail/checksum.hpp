@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -15,7 +14,6 @@
 #include <limits>
 #include <span>
 #include <string_view>
-#include <thread>
 #include <type_traits>
 
 // XXH3 is the same function in every vector width; a build for baseline x86-64 gets SSE2 only,
@@ -155,66 +153,6 @@ class content_hash {
 #endif
 
   XXH3_state_t state_{};
-};
-
-/// @brief Hashes a block of bytes into a `content_hash` on a worker thread while the caller
-/// fills it front to back: a large checkpoint load reads the next piece while the last one is
-/// hashed, and a save writes values while they are hashed, so the checksum costs the calling
-/// thread nothing but the hand-offs.
-///
-/// The caller says how far the block is filled (`filled`) and then waits for the whole hash
-/// (`finish`); XXH3 gives the same digest however the bytes are split. Destroyed unfinished (the
-/// load failed), it stops the worker; the hash is then partial and must not be used.
-class background_hash {
- public:
-  /// @throws std::system_error or std::bad_alloc when no thread can be started (hash inline then).
-  background_hash(content_hash& hash, const void* data, std::size_t size)
-      : hash_(hash), data_(static_cast<const unsigned char*>(data)), size_(size), worker_([this] { run(); }) {}
-  background_hash(const background_hash&) = delete;
-  background_hash& operator=(const background_hash&) = delete;
-  ~background_hash() {
-    if (!worker_.joinable()) return;
-    stopped_.store(true, std::memory_order_relaxed);
-    filled(size_);
-    worker_.join();
-  }
-
-  /// The first `bytes` bytes are in place (never fewer than a call before said). The worker is
-  /// told in steps of 1 MiB: a wake-up is a system call, a few microseconds each.
-  void filled(std::size_t bytes) noexcept {
-    if (bytes < size_ && bytes - told_ < handoff_bytes) return;
-    told_ = bytes;
-    filled_.store(bytes, std::memory_order_release);
-    filled_.notify_one();
-  }
-
-  /// Waits until every byte is hashed.
-  void finish() noexcept {
-    filled(size_);
-    worker_.join();
-  }
-
- private:
-  void run() noexcept {
-    std::size_t hashed = 0;
-    while (hashed < size_) {
-      filled_.wait(hashed, std::memory_order_acquire);
-      if (stopped_.load(std::memory_order_relaxed)) return;
-      const std::size_t filled = filled_.load(std::memory_order_acquire);
-      hash_.add_bytes(data_ + hashed, filled - hashed);
-      hashed = filled;
-    }
-  }
-
-  static constexpr std::size_t handoff_bytes = std::size_t{1} << 20;
-
-  content_hash& hash_;
-  const unsigned char* data_;
-  std::size_t size_;
-  std::size_t told_ = 0;  // what `filled` last told the worker (the caller's thread only)
-  std::atomic<std::size_t> filled_{0};
-  std::atomic<bool> stopped_{false};
-  std::thread worker_;  // last: it starts once the members it reads are initialized
 };
 
 }  // namespace gradaccum::detail

@@ -8,8 +8,7 @@
 /// - `atomic_file` writes `.gradaccum-<16 hex digits>.tmp` beside the target, whatever the
 ///   target's name, then fsyncs and renames it over the target. A writer killed before the
 ///   rename leaves that file behind; loaders never read it (it is not the checkpoint's path),
-///   so it is safely ignored and may be deleted. The file it replaces is released by a worker
-///   thread after the rename, so freeing its blocks is not the writer's wait.
+///   so it is safely ignored and may be deleted.
 
 #include <algorithm>
 #include <atomic>
@@ -19,13 +18,11 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <new>
 #include <ostream>
 #include <streambuf>
 #include <string>
 #include <string_view>
 #include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -156,6 +153,23 @@ class file_source final : public sized_streambuf {
     return unread_ + static_cast<std::uint64_t>(egptr() - gptr());
   }
 
+  /// Up to `count` of the next bytes, not consumed: at most the buffer's 64 KiB, fewer only at
+  /// the end of the file (or after a failed read).
+  std::string_view peek(std::size_t count) override {
+    if (static_cast<std::size_t>(egptr() - gptr()) < count && gptr() != buffer_.data()) {
+      // Move what is left to the front, so the rest of `count` fits behind it.
+      const auto left = static_cast<std::size_t>(egptr() - gptr());
+      std::memmove(buffer_.data(), gptr(), left);
+      setg(buffer_.data(), buffer_.data(), buffer_.data() + left);
+    }
+    const auto held = static_cast<std::size_t>(egptr() - gptr());
+    if (held < count && held < buffer_.size()) {
+      const std::size_t got = read_some(egptr(), buffer_.size() - held);
+      setg(buffer_.data(), buffer_.data(), egptr() + got);
+    }
+    return {gptr(), std::min(count, static_cast<std::size_t>(egptr() - gptr()))};
+  }
+
   /// The whole rest of the file.
   std::string read_all() {
     std::string bytes(static_cast<std::size_t>(remaining()), '\0');
@@ -265,46 +279,18 @@ class atomic_file {
     if (!sink.drain()) fail_io("write checkpoint", temporary_, sink.error());
     if (::fsync(file_.get()) != 0) fail_io("sync checkpoint", temporary_, errno);
     if (const int closed = file_.close(); closed != 0) fail_io("close checkpoint", temporary_, closed);
-    file_descriptor replaced = hold(target_);
     if (::rename(temporary_.c_str(), target_.c_str()) != 0) fail_io("rename checkpoint into place", target_, errno);
     committed_ = true;
     // Nothing after the rename allocates unless it fails: a save that throws for lack of memory
     // has left the previous checkpoint in place.
     file_descriptor dir(::open(directory_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (dir.get() < 0 || (::fsync(dir.get()) != 0 && errno != EINVAL)) fail_io("sync directory", directory_, errno);
-    release_in_background(std::move(replaced));
   }
 
   /// Prefix of every temporary file name: what a writer killed before its rename leaves behind.
   static constexpr std::string_view temporary_prefix = ".gradaccum-";
 
  private:
-  /// The file at `path`, if it has 1 MiB or more, held (not opened: no device or FIFO acts on
-  /// it) so that the rename over it does not free its blocks: for a 64 MiB checkpoint on tmpfs
-  /// that took a quarter of the save, where a smaller file costs less than a thread to free it.
-  /// Not held where the system has no O_PATH.
-  static file_descriptor hold(const std::filesystem::path& path) noexcept {
-#ifdef O_PATH
-    file_descriptor held(::open(path.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
-    struct ::stat status {};
-    if (held.get() >= 0 && ::fstat(held.get(), &status) == 0 && status.st_size >= (std::int64_t{1} << 20)) return held;
-#else
-    (void)path;
-#endif
-    return {};
-  }
-
-  /// Drops `file` on a worker thread (here, when none can be started): the last reference to a
-  /// replaced checkpoint frees its blocks.
-  static void release_in_background(file_descriptor file) noexcept {
-    if (file.get() < 0) return;
-    try {
-      std::thread([held = std::move(file)]() mutable { held.close(); }).detach();
-    } catch (const std::system_error&) {  // `file`, or the thread's copy, closes here
-    } catch (const std::bad_alloc&) {
-    }
-  }
-
   /// `.gradaccum-<16 hex digits>.tmp`: 31 bytes whatever the target's name, so any name up to
   /// NAME_MAX can be saved. The digits mix the pid, the time and a counter, so writers in
   /// different processes or threads rarely collide (and O_EXCL catches it when they do).
