@@ -38,9 +38,9 @@ namespace {
 using B = torch_backend;
 using eigen_matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-/// Row-major float values of a tensor of any dtype, layout or device.
+/// Row-major float values of a tensor of any dtype, layout or device, with the negation bit.
 std::vector<float> floats_of(const at::Tensor& t) {
-  const at::Tensor flat = t.to(at::kCPU).to(at::kFloat).contiguous();
+  const at::Tensor flat = t.to(at::kCPU).to(at::kFloat).resolve_neg().contiguous();
   return {flat.data_ptr<float>(), flat.data_ptr<float>() + flat.numel()};
 }
 
@@ -325,7 +325,29 @@ TEST_CASE("gradients that do not fit are refused with a gradaccum::error and cha
     // The only other device of a CPU build, and it holds no values.
     GRADACCUM_CHECK_REJECTED(grads.insert("w", torch::ones({2, 3}, torch::Device(torch::kMeta))),
                              errc::parameter_mismatch, "w");
+    GRADACCUM_CHECK_REJECTED(grads.insert("w", torch::ones({2, 3}).to_mkldnn()), errc::parameter_mismatch, "w");
     CHECK(grads.empty());
+  }
+  SUBCASE("tensors whose memory does not hold their values, at insert, as gradients and as parameters") {
+    at::Tensor freed = torch::ones({2, 3});
+    freed.storage().unsafeGetStorageImpl()->reset();  // storage released: no data, 0 bytes
+    at::Tensor shrunk = torch::ones({4, 3});
+    const at::Tensor tail = shrunk.narrow(0, 2, 2);
+    shrunk.storage().set_nbytes(2 * 3 * sizeof(float));  // ends before `tail` starts
+    const at::Tensor nested = at::_nested_tensor_from_tensor_list({torch::ones({3}), torch::ones({2})});
+    const at::Tensor quantized = at::quantize_per_tensor(torch::ones({2, 3}), 0.5, 0, at::kQInt8);
+    const at::Tensor conjugated = torch::ones({3}, torch::kComplexFloat).conj();
+    REQUIRE(conjugated.is_conj());
+    gradients_params<B> grads;
+    for (const at::Tensor& bad : {freed, tail, nested}) {
+      GRADACCUM_CHECK_REJECTED(grads.insert("w", bad), errc::parameter_mismatch, "w");
+      GRADACCUM_CHECK_REJECTED(params.add("q", bad), errc::parameter_mismatch, "q");
+    }
+    GRADACCUM_CHECK_REJECTED(torch_tensor<float>(freed), errc::parameter_mismatch, "");
+    GRADACCUM_CHECK_REJECTED(grads.insert("w", quantized), errc::invalid_dtype, "w");
+    GRADACCUM_CHECK_REJECTED(grads.insert("b", conjugated), errc::invalid_dtype, "b");
+    CHECK(grads.empty());
+    CHECK(params.size() == 2);
   }
   SUBCASE("a shape that differs from the parameter's, at accumulate") {
     gradients_params<B> grads;
@@ -338,6 +360,135 @@ TEST_CASE("gradients that do not fit are refused with a gradaccum::error and cha
   }
   GRADACCUM_CHECK_SAME_BITS(window.try_to_record(), before);
   CHECK(window.state().microbatches == 1);
+}
+
+TEST_CASE("lazily transformed tensors go in as their values: negation bit resolved, a zero tensor as zeros") {
+  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor base = torch::tensor({1.0F, -2.0F, 3.0F, 0.5F, -0.25F, 6.0F}).reshape({3, 2});
+  const at::Tensor negated = at::_neg_view(base.t());  // memory holds +x; read through strides
+  const at::Tensor zero = at::_efficientzerotensor({3}, f32);
+  REQUIRE(negated.is_neg());
+  REQUIRE((zero._is_zerotensor() && zero.data_ptr() == nullptr));
+  parameter_set<B> params;  // as parameters only their geometry counts
+  params.add("w", at::_neg_view(torch::zeros({2, 3})));
+  params.add("z", at::_efficientzerotensor({3}, f32));
+  CHECK(params[0].shape == tensor_shape{2, 3});
+  CHECK(params[1].shape == tensor_shape{3});
+
+  gradients_params<B> lazy;
+  lazy.insert("w", negated);
+  lazy.insert("z", zero);
+  gradients_params<B> plain;
+  plain.insert("w", negated.resolve_neg());
+  plain.insert("z", torch::zeros({3}));
+  GRADACCUM_CHECK_SAME_BITS(lazy.to_record(), plain.to_record());
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, lazy, 1.0);
+  CHECK(values<float>(window.pending(), "w") == std::vector<float>{-1, -3, 0.25F, 2, -0.5F, -6});
+  CHECK(values<float>(window.pending(), "z") == std::vector<float>{0, 0, 0});
+
+  // And as a module's .grad(), through torch_gradients.
+  torch::OrderedDict<std::string, at::Tensor> named;
+  named.insert("w", torch::zeros({2, 3}, torch::requires_grad()));
+  named.insert("z", torch::zeros({3}, torch::requires_grad()));
+  named["w"].mutable_grad() = negated;
+  named["z"].mutable_grad() = zero;
+  window.accumulate_sum(params, torch_gradients(named), 1.0);
+  CHECK(values<float>(window.pending(), "w") == std::vector<float>{-2, -6, 0.5F, 4, -1, -12});
+  CHECK(values<float>(window.pending(), "z") == std::vector<float>{0, 0, 0});
+}
+
+/// A finished mean of {0.25, 0.5, 0.75, 1} for each of `ids`, each a [2, 2] F32 parameter.
+flat_gradients<B> quarter_mean(const std::vector<std::string>& ids) {
+  parameter_set<B> params;
+  gradients_params<B> grads;
+  const at::Tensor g = torch::tensor({0.5F, 1.0F, 1.5F, 2.0F}).reshape({2, 2});
+  for (const std::string& id : ids) {
+    params.add(id, torch::zeros({2, 2}));
+    grads.insert(id, g);
+  }
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 2.0);
+  return window.finish_mean(params).gradients;
+}
+
+TEST_CASE("write_gradients writes a .grad() that can take the values in place, and replaces any other") {
+  at::Tensor freed = torch::ones({2, 2});
+  freed.storage().unsafeGetStorageImpl()->reset();
+  at::Tensor inference;
+  {
+    const c10::InferenceMode guard;
+    inference = torch::ones({2, 2});
+  }
+  const std::vector<std::pair<std::string, at::Tensor>> grads = {
+      {"dense", torch::full({2, 2}, 9.0F)},
+      {"transposed", torch::full({2, 2}, 9.0F).t()},
+      {"negated", at::_neg_view(torch::full({2, 2}, 9.0F))},
+      {"undefined", at::Tensor()},
+      {"expanded", torch::ones({1}).expand({2, 2})},
+      {"slice", torch::ones({2, 4}).slice(1, 0, 4, 2)},
+      {"double", torch::ones({2, 2}, torch::kDouble)},
+      {"reshaped", torch::ones({4})},
+      {"zero", at::_efficientzerotensor({2, 2}, at::TensorOptions().dtype(at::kFloat))},
+      {"inference", inference},
+      {"freed", freed},
+  };
+  torch::OrderedDict<std::string, at::Tensor> named;
+  std::vector<std::string> ids;
+  for (const auto& [id, grad] : grads) {
+    named.insert(id, torch::zeros({2, 2}, torch::requires_grad()));
+    named[id].mutable_grad() = grad;
+    ids.push_back(id);
+  }
+  write_gradients(named, quarter_mean(ids));
+  for (const auto& [id, before] : grads) {
+    CAPTURE(id);
+    const at::Tensor& grad = named[id].grad();
+    REQUIRE(grad.defined());
+    CHECK((grad.scalar_type() == at::kFloat));
+    CHECK(grad.sizes() == at::IntArrayRef{2, 2});
+    CHECK(floats_of(grad) == std::vector<float>{0.25F, 0.5F, 0.75F, 1});
+    const bool in_place = id == "dense" || id == "transposed" || id == "negated";
+    CHECK(grad.is_same(before) == in_place);
+  }
+}
+
+TEST_CASE("write_gradients checks every parameter before it writes any .grad()") {
+  flat_gradients<B> mean = quarter_mean({"a", "b"});
+  torch::OrderedDict<std::string, at::Tensor> named;
+  named.insert("a", torch::zeros({2, 2}, torch::requires_grad()));
+  const at::Tensor a_grad = torch::full({2, 2}, 9.0F);
+  named["a"].mutable_grad() = a_grad;
+  errc expected = errc::parameter_mismatch;
+  SUBCASE("complex") {
+    named.insert("b", torch::zeros({2, 2}, torch::dtype(torch::kComplexFloat).requires_grad(true)));
+    expected = errc::invalid_dtype;
+  }
+  SUBCASE("sparse") {
+    named.insert("b", torch::zeros({2, 2}).to_sparse().requires_grad_());
+  }
+  SUBCASE("meta") {
+    named.insert("b", torch::zeros({2, 2}, torch::Device(torch::kMeta)).requires_grad_());
+  }
+  SUBCASE("more elements than the mean's") {
+    named.insert("b", torch::zeros({5}, torch::requires_grad()));
+  }
+  SUBCASE("an empty mean for a parameter with elements") {
+    named.insert("b", torch::zeros({2, 2}, torch::requires_grad()));
+    parameter_set<B> params;
+    params.add("a", torch::zeros({2, 2}));
+    params.add("b", torch::zeros({0}));
+    gradients_params<B> grads;
+    grads.insert("a", torch::ones({2, 2}));
+    grads.insert("b", torch::ones({0}));
+    weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+    window.accumulate_sum(params, grads, 1.0);
+    mean = window.finish_mean(params).gradients;
+  }
+  GRADACCUM_CHECK_REJECTED(write_gradients(named, mean), expected, "b");
+  CHECK(named["a"].grad().is_same(a_grad));
+  CHECK(floats_of(a_grad) == std::vector<float>(4, 9.0F));
+  CHECK_FALSE(named["b"].grad().defined());
 }
 
 TEST_CASE("the helpers take named_parameters() as it is: ties once, frozen skipped, undefined .grad() absent") {

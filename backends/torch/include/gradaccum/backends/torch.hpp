@@ -18,7 +18,9 @@
 /// bit-identical to the Eigen and xtensor backends. Not ATen's `add_(g, alpha)`, which fuses the
 /// multiply into the add (one rounding; the contract rounds twice). A gradient on another device
 /// is copied to the host as it is (its own dtype, exact) when it goes in, and then added by the
-/// same kernels, because the window's buffer is host memory.
+/// same kernels, because the window's buffer is host memory. So is a tensor whose values are not
+/// its memory: a lazy negation (`_neg_view`) is resolved, and a zero tensor
+/// (`_efficientzerotensor`, which has no memory) reads as zeros.
 ///
 /// @code
 /// auto named = model->named_parameters();
@@ -37,7 +39,9 @@
 /// clang 14 with libstdc++ 12 does not.
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/ordered_dict.h>
 
 #include <array>
@@ -75,13 +79,15 @@ struct element_dtype<c10::BFloat16> {
 
 /// @brief A `torch::Tensor` whose dtype is T's (`c10::Half`, `c10::BFloat16`, `float`,
 /// `double`): the typed form the library stores. A handle, like the tensor itself: copying it
-/// shares the storage; any device, any strides. A tensor off the CPU is copied to the host once,
-/// here (its own dtype, exact), so that adding it later cannot fail half-way.
+/// shares the storage; any device, any strides. A tensor off the CPU, with the negation bit, or
+/// a zero tensor is copied to the host once, here (its own dtype, exact: its values, not its
+/// memory), so that adding it later cannot fail half-way.
 template <class T>
 class torch_tensor {
  public:
   /// @throws error(errc::invalid_dtype) unless `value` is a defined, strided tensor of T's dtype;
-  /// what libtorch throws when copying it off its device fails.
+  /// error(errc::parameter_mismatch) when it has no values to read (the meta device, a nested
+  /// tensor, a storage that does not hold its elements) or libtorch fails to copy it to the host.
   explicit torch_tensor(at::Tensor value);
 
   /// @brief The tensor, as the caller gave it.
@@ -114,9 +120,10 @@ struct torch_backend {
 
   /// @brief `x` as the handle of its dtype.
   /// @throws error(errc::invalid_dtype) for a dtype other than F16, BF16, F32, F64 (integers,
-  /// complex); error(errc::parameter_mismatch) for an undefined tensor (a parameter without a
-  /// gradient is absent: do not insert it), a sparse or other non-strided layout, or a tensor
-  /// without values (the meta device).
+  /// complex, quantized); error(errc::parameter_mismatch) for an undefined tensor (a parameter
+  /// without a gradient is absent: do not insert it), a sparse, MKL-DNN or other non-strided
+  /// layout, a nested tensor, or a tensor without values (the meta device, a storage that does
+  /// not hold its elements). The same for a parameter as for a gradient.
   static input adapt(const at::Tensor& x);
 
   template <class T>
@@ -156,12 +163,17 @@ parameter_set<torch_backend> torch_parameters(const torch::OrderedDict<std::stri
 gradients_params<torch_backend> torch_gradients(const torch::OrderedDict<std::string, at::Tensor>& named);
 
 /// @brief Writes `mean` into the `.grad()` of each trainable parameter of `named`, in the
-/// parameter's dtype and on its device (allocating `.grad()` where it is undefined; narrowing
-/// rounds to nearest even), so a `torch::optim` optimizer can step. A parameter absent from
-/// `mean` gets an undefined `.grad()`, which optimizers skip: a gradient left from the last
-/// backward pass must not be stepped on.
+/// parameter's dtype and on its device (narrowing rounds to nearest even), so a `torch::optim`
+/// optimizer can step. A `.grad()` is written in place when it is a dense tensor of the
+/// parameter's dtype, shape and device that can be written (not a zero tensor, not an inference
+/// tensor outside inference mode, its storage holding its elements); any other (undefined,
+/// `expand()`ed, strided slice, other dtype, ...) is replaced by a new contiguous tensor. A
+/// parameter absent from `mean` gets an undefined `.grad()`, which optimizers skip: a gradient
+/// left from the last backward pass must not be stepped on. Every `.grad()` is written, or none.
 /// @throws error(errc::parameter_mismatch) when a present id's element count differs from its
-/// parameter's (nothing is written).
+/// parameter's, or the parameter is not a strided tensor with values' geometry (sparse, nested,
+/// meta), or libtorch fails to stage the values (nothing is written);
+/// error(errc::invalid_dtype) when such a parameter's dtype is not F16, BF16, F32 or F64.
 void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& named,
                      const flat_gradients<torch_backend>& mean);
 
@@ -181,6 +193,49 @@ strided_view<const T> torch_host_view(const at::Tensor& host, const tensor_shape
     strides[axis] = static_cast<std::ptrdiff_t>(host.stride(static_cast<std::int64_t>(axis)));
   }
   return {static_cast<const T*>(host.data_ptr()), shape, std::span<const std::ptrdiff_t>(strides.data(), shape.rank())};
+}
+
+/// Why `x` (defined, strided) has no values in memory to read through its sizes and strides, or
+/// empty when it has. A zero tensor has none, and passes: it is read as zeros.
+inline std::string torch_unreadable(const at::Tensor& x) {
+  if (x.is_meta()) return "a tensor on the meta device has no values.";
+  if (x.is_nested()) return "a nested tensor has no single shape.";
+  if (!x.has_storage()) return "the tensor has no storage.";
+  if (x._is_zerotensor() || x.numel() == 0) return {};
+  // Strides are never negative in libtorch: the last element is the furthest from the first.
+  std::int64_t last = x.storage_offset();
+  for (std::int64_t axis = 0; axis < x.dim(); ++axis) last += (x.size(axis) - 1) * x.stride(axis);
+  const auto needed = static_cast<std::size_t>(last + 1) * x.element_size();
+  if (x.storage().data() == nullptr || x.storage().nbytes() < needed) {
+    return "the tensor's storage (" + std::to_string(x.storage().nbytes()) + " bytes) does not hold its elements (" +
+           std::to_string(needed) + " bytes): freed or shrunk.";
+  }
+  return {};
+}
+
+inline void torch_check_readable(const at::Tensor& x) {
+  if (std::string why = torch_unreadable(x); !why.empty()) fail(errc::parameter_mismatch, why);
+}
+
+/// `f()`, with a `c10::Error` it throws as error(errc::parameter_mismatch), naming `id`.
+template <class F>
+decltype(auto) torch_guarded(const std::string& id, F&& f) {
+  try {
+    return std::forward<F>(f)();
+  } catch (const c10::Error& problem) {
+    fail(errc::parameter_mismatch,
+         (id.empty() ? "" : "tensor '" + id + "': ") + "libtorch failed: " + problem.what_without_backtrace(), id);
+  }
+}
+
+/// `x`'s values as a CPU tensor: `x` itself when it is a plain CPU tensor, else a copy. The
+/// negation bit is a flag on the tensor, not in its memory; a zero tensor has no memory.
+inline at::Tensor torch_host_values(const at::Tensor& x) {
+  return torch_guarded({}, [&] {
+    if (x._is_zerotensor()) return at::zeros(x.sizes(), at::TensorOptions().dtype(x.scalar_type()));
+    // The conjugate bit needs no resolving: it is only set on complex tensors, refused by dtype.
+    return (x.is_cpu() ? x : x.to(at::kCPU)).resolve_neg();
+  });
 }
 
 inline std::vector<std::int64_t> torch_sizes(const tensor_shape& s) {
@@ -206,7 +261,8 @@ torch_tensor<T>::torch_tensor(at::Tensor value) : value_(std::move(value)) {
     detail::fail(errc::invalid_dtype, "a torch_tensor<" + std::string(to_string(dtype_of<T>)) +
                                           "> must hold a defined, strided tensor of that dtype.");
   }
-  host_ = value_.is_cpu() ? value_ : value_.to(at::kCPU);
+  detail::torch_check_readable(value_);
+  host_ = detail::torch_host_values(value_);
 }
 
 inline torch_backend::input torch_backend::adapt(const at::Tensor& x) {
@@ -216,7 +272,7 @@ inline torch_backend::input torch_backend::adapt(const at::Tensor& x) {
   if (x.layout() != at::kStrided) {
     detail::fail(errc::parameter_mismatch, "only strided (dense) tensors can be accumulated, not sparse ones.");
   }
-  if (x.is_meta()) detail::fail(errc::parameter_mismatch, "a tensor on the meta device has no values.");
+  detail::torch_check_readable(x);
   switch (x.scalar_type()) {
     case at::kHalf: return tensor<c10::Half>(x);
     case at::kBFloat16: return tensor<c10::BFloat16>(x);
@@ -251,7 +307,7 @@ torch_tensor<W> torch_backend::convert(const tensor<T>& x) {
   const tensor_shape s = shape(x);
   at::Tensor out = at::empty(detail::torch_sizes(s), at::TensorOptions().dtype(detail::torch_scalar_type<W>));
   copy_row_major(detail::torch_host_view<T>(x.host(), s), std::span<W>(static_cast<W*>(out.data_ptr()), out.numel()));
-  return tensor<W>(x.tensor().is_cpu() ? out : out.to(x.tensor().device()));
+  return tensor<W>(x.tensor().is_cpu() ? out : detail::torch_guarded({}, [&] { return out.to(x.tensor().device()); }));
 }
 
 template <class T>
@@ -264,7 +320,7 @@ torch_tensor<T> torch_backend::from_row_major(std::span<const T> values, const t
                                               const device_type& device) {
   at::Tensor out = at::empty(detail::torch_sizes(s), at::TensorOptions().dtype(detail::torch_scalar_type<T>));
   if (!values.empty()) std::memcpy(out.data_ptr(), values.data(), values.size_bytes());
-  return tensor<T>(device.is_cpu() ? out : out.to(device));
+  return tensor<T>(device.is_cpu() ? out : detail::torch_guarded({}, [&] { return out.to(device); }));
 }
 
 inline parameter_set<torch_backend> torch_parameters(const torch::OrderedDict<std::string, at::Tensor>& named) {
@@ -283,32 +339,76 @@ inline gradients_params<torch_backend> torch_gradients(const torch::OrderedDict<
   return grads;
 }
 
+namespace detail {
+
+/// Whether `grad`, the `.grad()` of `param`, can take `param`'s new gradient `values` in place
+/// without libtorch refusing the copy or the values changing on the way: dense (no element
+/// shares memory with another), of `param`'s dtype, shape and device, writable, and not
+/// overlapping the values only in part.
+inline bool torch_writable_grad(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& values) {
+  if (grad.layout() != at::kStrided || grad.is_nested() || grad._is_zerotensor() ||
+      grad.scalar_type() != param.scalar_type() || grad.device() != param.device() || grad.sizes() != param.sizes() ||
+      !grad.is_non_overlapping_and_dense() || (grad.is_inference() && !c10::InferenceMode::is_enabled()) ||
+      !torch_unreadable(grad).empty()) {
+    return false;
+  }
+  return !grad.is_cpu() || at::get_overlap_status(grad, values) != at::MemOverlapStatus::Partial;
+}
+
+}  // namespace detail
+
 inline void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& named,
                             const flat_gradients<torch_backend>& mean) {
+  // Everything that can fail happens first, with nothing written: each parameter is checked and
+  // its values staged (in its dtype, on its device, where they cannot go in as they are); then
+  // only copies that libtorch has no reason to refuse, and assignments.
+  struct write {
+    at::Tensor param;
+    at::Tensor values;  // undefined: clear .grad()
+    bool in_place = false;
+  };
+  std::vector<write> writes;
+  const c10::NoGradGuard no_grad;
   detail::visit_work_dtype(mean.dtype(), [&]<class W>() {
-    // Checked in full before anything is written.
     detail::for_each_trainable(named, [&](const std::string& id, const at::Tensor& p) {
+      if (!mean.contains(id)) {
+        writes.push_back({p, {}, false});
+        return;
+      }
+      if (p.layout() != at::kStrided || p.is_nested() || p.is_meta()) {
+        detail::fail(errc::parameter_mismatch, "parameter '" + id + "' is not a strided tensor with values.", id);
+      }
+      const at::ScalarType dtype = p.scalar_type();
+      if (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat && dtype != at::kDouble) {
+        detail::fail(errc::invalid_dtype,
+                     "parameter '" + id + "' has dtype " + c10::toString(dtype) + ", not F16, BF16, F32 or F64.", id);
+      }
       const std::span<const W> values = mean.template values<W>(id);
-      if (!values.empty() && values.size() != static_cast<std::size_t>(p.numel())) {
+      if (values.size() != static_cast<std::size_t>(p.numel())) {
         detail::fail(errc::parameter_mismatch,
                      "gradient '" + id + "' has " + std::to_string(values.size()) + " elements but its parameter " +
                          std::to_string(p.numel()) + ".",
                      id);
       }
-    });
-    const c10::NoGradGuard no_grad;
-    detail::for_each_trainable(named, [&](const std::string& id, const at::Tensor& p) {
-      if (!mean.contains(id)) {
-        p.mutable_grad().reset();
-        return;
-      }
-      const std::span<const W> values = mean.template values<W>(id);
       const at::Tensor host = at::from_blob(const_cast<W*>(values.data()), p.sizes(),
                                             at::TensorOptions().dtype(detail::torch_scalar_type<W>));
-      if (!p.grad().defined()) p.mutable_grad() = at::empty_like(p, at::MemoryFormat::Contiguous);
-      p.mutable_grad().copy_(host);
+      const bool in_place = p.grad().defined() && detail::torch_writable_grad(p.grad(), p, host);
+      // A new .grad() must not share the window's buffer, so it is always a copy.
+      at::Tensor staged = in_place && p.is_cpu() ? host : detail::torch_guarded(id, [&] {
+        return host.to(at::TensorOptions().dtype(dtype).device(p.device()), /*non_blocking=*/false, /*copy=*/true);
+      });
+      writes.push_back({p, std::move(staged), in_place});
     });
   });
+  for (write& w : writes) {
+    if (!w.values.defined()) {
+      w.param.mutable_grad().reset();
+    } else if (w.in_place) {
+      w.param.mutable_grad().copy_(w.values);
+    } else {
+      w.param.mutable_grad() = std::move(w.values);
+    }
+  }
 }
 
 }  // namespace gradaccum
