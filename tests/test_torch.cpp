@@ -453,6 +453,34 @@ TEST_CASE("write_gradients writes a .grad() that can take the values in place, a
   }
 }
 
+TEST_CASE("write_gradients gives .grad()s that share memory new tensors, and writes disjoint views in place") {
+  parameter_set<B> params;
+  gradients_params<B> grads;
+  const at::Tensor g = torch::tensor({0.5F, 1.0F, 1.5F, 2.0F}).reshape({2, 2});
+  const std::string ids[] = {"a", "b", "c", "d"};
+  for (int k = 0; k < 4; ++k) {
+    params.add(ids[k], torch::zeros({2, 2}));
+    grads.insert(ids[k], g * static_cast<float>(k + 1));
+  }
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  torch::OrderedDict<std::string, at::Tensor> named;
+  for (const std::string& id : ids) named.insert(id, torch::zeros({2, 2}, torch::requires_grad()));
+  const at::Tensor shared = torch::full({2, 2}, 9.0F);
+  const at::Tensor bucket = torch::full({8}, 9.0F);  // as DDP's gradient_as_bucket_view
+  named["a"].mutable_grad() = shared;
+  named["b"].mutable_grad() = shared;
+  named["c"].mutable_grad() = bucket.narrow(0, 0, 4).view({2, 2});
+  named["d"].mutable_grad() = bucket.narrow(0, 4, 4).view({2, 2});
+  write_gradients(named, window.finish_mean(params).gradients);
+  for (int k = 0; k < 4; ++k) {
+    CAPTURE(ids[k]);
+    CHECK(floats_of(named[ids[k]].grad()) == floats_of(g * static_cast<float>(k + 1)));
+  }
+  CHECK(floats_of(shared) == std::vector<float>(4, 9.0F));
+  CHECK(floats_of(bucket) == floats_of(torch::cat({g.flatten() * 3.0F, g.flatten() * 4.0F})));
+}
+
 TEST_CASE("write_gradients checks every parameter before it writes any .grad()") {
   flat_gradients<B> mean = quarter_mean({"a", "b"});
   torch::OrderedDict<std::string, at::Tensor> named;

@@ -44,12 +44,14 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/ordered_dict.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <unordered_set>
 #include <utility>
@@ -171,8 +173,8 @@ gradients_params<torch_backend> torch_gradients(const torch::OrderedDict<std::st
 /// parameter absent from `mean` gets an undefined `.grad()`, which optimizers skip: a gradient
 /// left from the last backward pass must not be stepped on. Every `.grad()` is written, or none.
 /// @throws error(errc::parameter_mismatch) when a present id's element count differs from its
-/// parameter's, or the parameter is not a strided tensor with values' geometry (sparse, nested,
-/// meta), or libtorch fails to stage the values (nothing is written);
+/// parameter's, for a sparse, nested or meta parameter, or when libtorch fails to stage the values
+/// (nothing is written);
 /// error(errc::invalid_dtype) when such a parameter's dtype is not F16, BF16, F32 or F64.
 void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& named,
                      const flat_gradients<torch_backend>& mean);
@@ -325,8 +327,8 @@ torch_tensor<T> torch_backend::from_row_major(std::span<const T> values, const t
 
 inline parameter_set<torch_backend> torch_parameters(const torch::OrderedDict<std::string, at::Tensor>& named) {
   parameter_set<torch_backend> params;
-  // A parameter off the CPU is copied to the host here, one at a time and once per parameter
-  // set (its values are not kept; only its shape and device are).
+  // A parameter off the CPU (or with the negation bit) is copied to the host here, one at a
+  // time and once per parameter set (its values are not kept; only its shape and device are).
   detail::for_each_trainable(named, [&](const std::string& id, const at::Tensor& p) { params.add(id, p); });
   return params;
 }
@@ -363,6 +365,7 @@ inline void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& n
   // its values staged (in its dtype, on its device, where they cannot go in as they are); then
   // only copies that libtorch has no reason to refuse, and assignments.
   struct write {
+    std::string id;
     at::Tensor param;
     at::Tensor values;  // undefined: clear .grad()
     bool in_place = false;
@@ -372,11 +375,14 @@ inline void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& n
   detail::visit_work_dtype(mean.dtype(), [&]<class W>() {
     detail::for_each_trainable(named, [&](const std::string& id, const at::Tensor& p) {
       if (!mean.contains(id)) {
-        writes.push_back({p, {}, false});
+        writes.push_back({id, p, {}, false});
         return;
       }
       if (p.layout() != at::kStrided || p.is_nested() || p.is_meta()) {
-        detail::fail(errc::parameter_mismatch, "parameter '" + id + "' is not a strided tensor with values.", id);
+        detail::fail(
+            errc::parameter_mismatch,
+            "parameter '" + id + "' is sparse, nested or on the meta device: its .grad() cannot hold dense values.",
+            id);
       }
       const at::ScalarType dtype = p.scalar_type();
       if (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat && dtype != at::kDouble) {
@@ -397,9 +403,43 @@ inline void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& n
       at::Tensor staged = in_place && p.is_cpu() ? host : detail::torch_guarded(id, [&] {
         return host.to(at::TensorOptions().dtype(dtype).device(p.device()), /*non_blocking=*/false, /*copy=*/true);
       });
-      writes.push_back({p, std::move(staged), in_place});
+      writes.push_back({id, p, std::move(staged), in_place});
     });
   });
+  // Two .grad()s sharing memory cannot each hold their own values: both get new tensors. An
+  // in-place target is dense, so its memory is one range of bytes.
+  struct range {
+    c10::Device device;
+    std::uintptr_t begin, end;
+    std::size_t write;
+  };
+  std::vector<range> ranges;
+  for (std::size_t k = 0; k < writes.size(); ++k) {
+    if (!writes[k].in_place || writes[k].param.numel() == 0) continue;
+    const at::Tensor& grad = writes[k].param.grad();
+    const auto begin = reinterpret_cast<std::uintptr_t>(grad.data_ptr());
+    ranges.push_back({grad.device(), begin, begin + static_cast<std::uintptr_t>(grad.nbytes()), k});
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const range& a, const range& b) {
+    return std::tuple(a.device.type(), a.device.index(), a.begin) <
+           std::tuple(b.device.type(), b.device.index(), b.begin);
+  });
+  for (std::size_t k = 1, reach = 0; k < ranges.size(); ++k) {
+    if (ranges[k].device != ranges[reach].device || ranges[k].begin >= ranges[reach].end) {
+      reach = k;
+      continue;
+    }
+    for (const std::size_t shared : {ranges[reach].write, ranges[k].write}) {
+      write& w = writes[shared];
+      if (!w.in_place) continue;
+      w.in_place = false;
+      if (w.values.is_cpu() && w.param.is_cpu()) {  // still the window's buffer: copy it
+        w.values = detail::torch_guarded(
+            w.id, [&] { return w.values.to(w.param.scalar_type(), /*non_blocking=*/false, /*copy=*/true); });
+      }
+    }
+    if (ranges[k].end > ranges[reach].end) reach = k;
+  }
   for (write& w : writes) {
     if (!w.values.defined()) {
       w.param.mutable_grad().reset();
