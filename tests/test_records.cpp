@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -79,4 +80,28 @@ TEST_CASE("validate(weighted_accumulation_state) refuses inconsistent counters")
     INFO(test::describe(state));
     GRADACCUM_CHECK_REJECTED(validate(state), errc::invalid_state, "");
   }
+}
+
+TEST_CASE("validate's messages show ids escaped: a NUL byte or a terminal escape never reaches them raw") {
+  const std::string nul("a\0b", 3);
+  const std::string escape = "\x1b[2J";
+  const auto message_of = [](const auto& invalid) {
+    try {
+      validate(invalid);
+    } catch (const error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  gradients_params_record twice{
+      {{nul, float_dtype::f32, {1}, std::vector<float>{1}}, {nul, float_dtype::f32, {1}, std::vector<float>{2}}}};
+  CHECK(message_of(twice) == "record lists tensor 'a\\x00b' twice.");
+  gradients_params_record short_values{{{escape, float_dtype::f32, {2}, std::vector<float>{1}}}};
+  CHECK(message_of(short_values) == "record tensor '\\x1b[2J' has 1 values for shape [2].");
+  gradients_params_record other_dtype{{{escape, float_dtype::f64, {1}, std::vector<float>{1}}}};
+  CHECK(message_of(other_dtype) == "record tensor '\\x1b[2J' holds values of another dtype than its F64.");
+  const weighted_gradients_record window{{{{escape, float_dtype::f64, {1}, std::vector<double>{1}}}},
+                                         {float_dtype::f32, 1.0, 1.0, 1}};
+  CHECK(message_of(window) ==
+        "pending tensor '\\x1b[2J' has dtype F64 but the accumulation state's work dtype is F32.");
 }
