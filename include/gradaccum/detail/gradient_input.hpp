@@ -22,8 +22,6 @@
 /// conversion never changes element types. Anything else gets one static_assert that names
 /// the way out (`reject_input`).
 
-#include <cstddef>
-#include <memory>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -195,7 +193,7 @@ auto in_place_view(const X& x) {
     using A = std::remove_cvref_t<decltype(B::adapt(x))>;
     if constexpr (is_copied_view_of<B, A>::value) {
       return B::adapt(x).view;
-    } else if constexpr (has_views<B> && !std::is_void_v<element_of<B, A>> &&
+    } else if constexpr (!std::is_void_v<element_of<B, A>> &&
                          std::is_same_v<A, typename B::template view<element_of<B, A>>>) {
       return B::adapt(x);
     }
