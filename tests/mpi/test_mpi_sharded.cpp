@@ -400,9 +400,10 @@ namespace {
 /// The shard's values, whatever its dtype (F32 values are exact as doubles).
 template <class B>
 std::vector<double> values_of(const gradaccum::sharded_gradients<B>& shard) {
-  std::vector<double> values(shard.template values<double>().begin(), shard.template values<double>().end());
-  for (const float v : shard.template values<float>()) values.push_back(v);
-  return values;
+  if (shard.dtype() == gradaccum::float_dtype::f64) {
+    return {shard.template values<double>().begin(), shard.template values<double>().end()};
+  }
+  return {shard.template values<float>().begin(), shard.template values<float>().end()};
 }
 
 /// Checks that the sharded norm and clipping of `mine` (clipped to `max_norm`) both throw `code` on
