@@ -168,11 +168,12 @@ struct eigen_backend {
       } else {
         return view_of(y);
       }
-    } else if constexpr (detail::eigen_direct<X> && !detail::eigen_owning<X>) {
-      return view_of(y);  // a map, block, row, column or transpose: the caller's memory
-    } else if constexpr (detail::eigen_direct<X> && std::is_lvalue_reference_v<Y> &&
-                         std::is_base_of_v<Eigen::RefBase<X>, X>) {
-      return view_of(y);  // a named Ref: a view by type (what it evaluated lives as long as it does)
+    } else if constexpr (detail::eigen_direct<X> &&
+                         (!detail::eigen_owning<X> ||
+                          (std::is_lvalue_reference_v<Y> && std::is_base_of_v<Eigen::RefBase<X>, X>))) {
+      // A map, block, row, column or transpose is the caller's memory; a named Ref is a view by
+      // type (what it evaluated lives as long as it does).
+      return view_of(y);
     } else if constexpr (detail::eigen_direct<X> && std::is_lvalue_reference_v<Y>) {
       return copied_view<typename X::Scalar>{view_of(y)};
     } else {
