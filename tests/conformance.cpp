@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <future>
 #include <limits>
 #include <memory>
 #include <span>
@@ -624,23 +623,6 @@ TEST_CASE_TEMPLATE("equal windows give bit-identical records", B, GRADACCUM_TEST
   second.accumulate_mean(backward, ba, 3);
   GRADACCUM_CHECK_SAME_BITS(first.try_to_record(), second.try_to_record());
   CHECK(first.try_to_record() == second.try_to_record());
-}
-
-TEST_CASE_TEMPLATE("to_record_async snapshots the window as of the call", B, GRADACCUM_TEST_BACKENDS) {
-  const auto params = make_parameters<B>({{"a", shape_a}, {"b", shape_b}});
-  weighted_gradients_accumulator<B> acc(float_dtype::f32, 1.0);
-  acc.accumulate_sum(params, gradient<B>("a", shape_a, multiples(shape_a, 1)), 1);
-  const auto expected = acc.try_to_record();
-
-  std::future<weighted_gradients_record> snapshot = acc.to_record_async();
-  // The accumulator is usable as soon as the call returns; the snapshot does not see this.
-  acc.accumulate_sum(params, gradient<B>("a", shape_a, multiples(shape_a, 1)), 1);
-  acc.accumulate_sum(params, gradient<B>("b", shape_b, multiples(shape_b, 1)), 1);
-  const auto after = acc.try_to_record();
-  (void)acc.finish_sums();
-
-  GRADACCUM_CHECK_SAME_BITS(snapshot.get(), expected);
-  CHECK(after.state.microbatches == 3);
 }
 
 TEST_CASE_TEMPLATE("non_finite names the pending ids that overflowed, and changes nothing", B,

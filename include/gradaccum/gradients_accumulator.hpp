@@ -422,27 +422,22 @@ class gradients_accumulator {
   [[gnu::noinline]] void add_entries(const gradients_params<B>& grads, W scale) noexcept {
     for (std::size_t k = 0; k < grads.size(); ++k) add_entry<W, Bound>(grads, k, scale);
   }
-  /// The k-th gradient goes to the add of its alternative through a table of functions, with
-  /// the segment and scale as arguments: they stay in registers (a visiting lambda's captures
-  /// were written to the stack for every gradient).
+  /// The k-th gradient goes to its entry's add (`detail::gradient_adds`), with the segment and
+  /// scale as arguments: they stay in registers (a visiting lambda's captures were written to the
+  /// stack for every gradient).
   template <class W, bool Bound>
   void add_entry(const gradients_params<B>& grads, std::size_t k, W scale) noexcept {
-    using value_type = typename gradients_params<B>::value_type;
-    using add_one = void (*)(std::span<W>, const value_type&, W) noexcept;
-    static constexpr auto adds = []<std::size_t... I>(std::index_sequence<I...>) {
-      return std::array<add_one, sizeof...(I)>{&add_alternative<W, I>...};
-    }(std::make_index_sequence<std::variant_size_v<value_type>>{});
     const auto& e = grads.begin()[static_cast<std::ptrdiff_t>(k)];
     const std::size_t position = Bound ? e.position : positions_[k];
     const flat_segment<B>& s = (*pending_.layout_)[position];
     detail::flat_storage& buffer = *pending_.storage_;
     buffer.mark_present(position);
-    adds[e.value.index()](std::span<W>(buffer.data<W>() + s.offset, s.size), e.value, scale);
-  }
-  template <class W, std::size_t I>
-  static void add_alternative(std::span<W> acc, const typename gradients_params<B>::value_type& value,
-                              W scale) noexcept {
-    B::add_scaled(acc, detail::unwrap(*std::get_if<I>(&value)), scale);
+    const std::span<W> acc(buffer.data<W>() + s.offset, s.size);
+    if constexpr (std::is_same_v<W, float>) {
+      e.adds->f32(acc, e.value, scale);
+    } else {
+      e.adds->f64(acc, e.value, scale);
+    }
   }
 
   /// Checks the owned tensors of bound gradients against their parameters, views having been

@@ -77,6 +77,25 @@ decltype(auto) visit_work_dtype(float_dtype dtype, F&& f) {
   return with_work_type<float_dtype::f32>(std::forward<F>(f));
 }
 
+/// The adds of one stored alternative into F32 and F64 sums. An entry takes them where its
+/// type is known (at insert), so a program instantiates the kernels of the element types it
+/// inserts, not of every type the backend supports.
+template <class B>
+struct gradient_adds {
+  template <class W>
+  using add = void (*)(std::span<W>, const gradient_variant_t<B>&, W) noexcept;
+  add<float> f32;
+  add<double> f64;
+};
+
+template <class B, class Stored, class W>
+void add_stored(std::span<W> acc, const gradient_variant_t<B>& value, W scale) noexcept {
+  B::add_scaled(acc, unwrap(*std::get_if<Stored>(&value)), scale);
+}
+
+template <class B, class Stored>
+inline constexpr gradient_adds<B> adds_of{&add_stored<B, Stored, float>, &add_stored<B, Stored, double>};
+
 inline void require_work_dtype(float_dtype dtype) {
   if (!is_work_dtype(dtype)) {
     fail(errc::invalid_dtype,
@@ -119,6 +138,7 @@ class gradients_params {
     /// container, reused by `insert_or_assign` while only this entry holds it.
     std::shared_ptr<std::byte[]> copy = nullptr;
     std::size_t copy_bytes = 0;
+    const detail::gradient_adds<B>* adds = nullptr;  ///< `value`'s adds (`detail::adds_of`)
   };
 
   /// @brief Gradients for any parameter set, resolved by id on every accumulate call.
@@ -330,11 +350,17 @@ class gradients_params {
     if (present) {
       owned_ -= is_view(present->value) ? 0 : 1;
       present->value.template emplace<stored>(copied());
+      present->adds = &detail::adds_of<B, stored>;
       present->position = parameter;
     } else {
       reserve(entries_.size() + 1);
       entries_.emplace_back_with([&](void* node) {
-        ::new (node) entry{std::string(id), value_type(std::in_place_type<stored>, copied()), parameter};
+        ::new (node) entry{std::string(id),
+                           value_type(std::in_place_type<stored>, copied()),
+                           parameter,
+                           nullptr,
+                           0,
+                           &detail::adds_of<B, stored>};
       });
       index_.insert(entries_.size() - 1, entries_.back().id);
     }
@@ -365,6 +391,7 @@ class gradients_params {
                     : 0;
         owned_ -= is_view(entries_[*position].value) ? 0 : 1;
         entries_[*position].value = std::move(replacement);
+        entries_[*position].adds = &detail::adds_of<B, stored>;
         entries_[*position].position = parameter;
         return;
       }
@@ -406,10 +433,20 @@ class gradients_params {
   static entry* construct_entry(void* node, std::string&& id, X&& value) {
     if constexpr (std::is_same_v<Stored, std::remove_cvref_t<X>> && !std::is_lvalue_reference_v<X>) {
       if (!detail::moves_without_allocating<B>(value)) {
-        return ::new (node) entry{std::move(id), value_type(std::in_place_type<Stored>, std::as_const(value))};
+        return ::new (node) entry{std::move(id),
+                                  value_type(std::in_place_type<Stored>, std::as_const(value)),
+                                  0,
+                                  nullptr,
+                                  0,
+                                  &detail::adds_of<B, Stored>};
       }
     }
-    return ::new (node) entry{std::move(id), value_type(std::in_place_type<Stored>, std::forward<X>(value))};
+    return ::new (node) entry{std::move(id),
+                              value_type(std::in_place_type<Stored>, std::forward<X>(value)),
+                              0,
+                              nullptr,
+                              0,
+                              &detail::adds_of<B, Stored>};
   }
 
   /// Appends (`id`, a tensor of `shape` holding a record's row-major `values`), within reserved

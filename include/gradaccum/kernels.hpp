@@ -131,9 +131,11 @@ namespace gradaccum::detail {
 
 /// One thread's range of `kernels::add_scaled`, through restrict-qualified parameters: a lambda's
 /// captured pointers are not, so its loop reloaded them after every store (F16 through F16C ran
-/// at a third of the hand loop's speed in cache).
+/// at a third of the hand loop's speed in cache). Out of line, as `add_scaled_plane` is: the
+/// strided walk reaches each from several places, and every inlined copy was vectorized and
+/// compiled again (a third of a training loop's object code).
 template <class W, element_type T>
-void add_scaled_range(W* __restrict acc, const T* __restrict g, std::size_t count, W scale) noexcept {
+[[gnu::noinline]] void add_scaled_range(W* __restrict acc, const T* __restrict g, std::size_t count, W scale) noexcept {
   GRADACCUM_NO_FP_CONTRACT
   std::size_t i = 0;
 #ifdef __F16C__
@@ -238,8 +240,9 @@ inline void add_scaled_plane_8x8(float* __restrict acc, std::ptrdiff_t acc_row, 
 /// stores down a column do not all fall into one cache set; with rows of 32 and tiles of 32 a
 /// block of a column-major matrix added 1.8-2.2x slower (bench_inputs, input_block).
 template <class W, element_type T>
-void add_scaled_plane(W* __restrict acc, std::ptrdiff_t acc_row, const T* __restrict g, std::ptrdiff_t row_stride,
-                      std::ptrdiff_t col_stride, std::size_t rows, std::size_t cols, W scale) noexcept {
+[[gnu::noinline]] void add_scaled_plane(W* __restrict acc, std::ptrdiff_t acc_row, const T* __restrict g,
+                                        std::ptrdiff_t row_stride, std::ptrdiff_t col_stride, std::size_t rows,
+                                        std::size_t cols, W scale) noexcept {
   GRADACCUM_NO_FP_CONTRACT
 #ifdef __AVX__
   if constexpr (std::is_same_v<W, float> && std::is_same_v<T, float>) {

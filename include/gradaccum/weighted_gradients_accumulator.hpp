@@ -3,7 +3,6 @@
 /// @brief `weighted_gradients_accumulator<B>`: one token-weighted accumulation window.
 
 #include <cstdint>
-#include <future>
 #include <limits>
 #include <string>
 #include <utility>
@@ -134,14 +133,6 @@ class weighted_gradients_accumulator {
   decltype(auto) visit_record(F&& f) const {
     return accumulator_.visit_record([&](const detail::gradients_view& gradients) {
       return f(detail::weighted_gradients_view{state_, gradients});
-    });
-  }
-
-  /// @brief Snapshot as of this call, assembled on another thread: the calling thread pays one
-  /// copy of the pending tensors and may use the accumulator again as soon as this returns.
-  [[nodiscard]] std::future<weighted_gradients_record> to_record_async() const {
-    return std::async(std::launch::async, [pending = accumulator_.pending(), state = state_] {
-      return weighted_gradients_record{pending.to_record(), state};
     });
   }
 
