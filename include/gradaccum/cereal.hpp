@@ -97,6 +97,7 @@
 #include <cereal/cereal.hpp>
 
 #include "gradaccum/detail/checksum.hpp"
+#include "gradaccum/detail/tensor_sink.hpp"
 #include "gradaccum/detail/text_guards.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/dynamic_loss_scale.hpp"
@@ -109,11 +110,6 @@ class XMLInputArchive;  // only compared against: its integer parsing needs a st
 }  // namespace cereal
 
 namespace gradaccum {
-
-/// @brief Version of the record format: the cereal class version of every record type. Only
-/// this version loads; a record of another one is refused with `errc::invalid_record` naming
-/// both. Version 5 starts every record with a tag naming its type (see the table above).
-inline constexpr std::uint32_t record_format_version = 5;
 
 // ---- The records' cereal functions (found by cereal through argument-dependent lookup) ------
 
@@ -965,15 +961,18 @@ void save(Archive& ar, const weighted_gradients_view& record, const std::uint32_
 
 /// @brief The values of one tensor, not read yet: `count` of them, the shape's element count.
 template <class Archive>
-class values_reader {
+class values_reader final : public values_source {
  public:
   values_reader(Archive& ar, std::uint64_t count, const load_site& site, std::string_view text,
                 content_hash* hash) noexcept
       : ar_(ar), count_(count), site_(site), text_(text), hash_(hash) {}
 
+  void into(std::span<float> out) const override { read(out); }
+  void into(std::span<double> out) const override { read(out); }
+
   /// Reads the values into `out` (exactly `count` elements, e.g. a tensor's storage).
   template <raw_element S>
-  void into(std::span<S> out) const {
+  void read(std::span<S> out) const {
     if constexpr (is_text_archive<Archive>) {
       parse_values_text(text_, out, site_);
       if (hash_ != nullptr) hash_->add_text_values(std::span<const S>(out));
@@ -994,7 +993,7 @@ class values_reader {
   void into(std::vector<S>& out) const {
     if constexpr (is_text_archive<Archive>) {
       std::vector<S> loaded(static_cast<std::size_t>(count_));
-      into(std::span<S>(loaded));
+      read(std::span<S>(loaded));
       out = std::move(loaded);
     } else {
       load_raw(ar_, out, count_, site_, "values", hash_);
@@ -1094,36 +1093,31 @@ inline bool all_zero(const unsigned char* bytes, std::size_t size) noexcept {
   return size == 0 || (bytes[0] == 0 && std::memcmp(bytes, bytes + 1, size - 1) == 0);
 }
 
-/// @brief Where a tensor's values are in a values block: at `offset` bytes, `count` elements.
-struct block_entry {
-  std::uint64_t offset;
-  std::uint64_t count;
-  float_dtype dtype;
-};
-
 /// @brief The values block of a binary gradients record, not read yet; its entries
 /// (in directory order) lie inside it. The block is read once, either whole or entry by entry.
 template <class Archive>
-class values_block {
+class values_block final : public values_block_source {
  public:
   values_block(Archive& ar, std::uint64_t bytes, std::span<const block_entry> entries, const load_site& site,
                content_hash& hash) noexcept
       : ar_(ar), bytes_(bytes), entries_(entries), site_(site), hash_(hash) {}
 
-  [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
-  [[nodiscard]] std::span<const block_entry> entries() const noexcept { return entries_; }
+  [[nodiscard]] std::uint64_t bytes() const noexcept override { return bytes_; }
+  [[nodiscard]] std::span<const block_entry> entries() const noexcept override { return entries_; }
 
-  /// Reads the whole block into `out`, exactly `bytes()` of S. The caller checks that what lies
-  /// outside the entries is zero.
-  template <raw_element S>
-  void into(std::span<S> out) const {
-    values_reader<Archive>(ar_, out.size(), site_, {}, &hash_).into(out);
+  /// Reads the whole block into `out`, exactly `bytes()` of its type. The caller checks that
+  /// what lies outside the entries is zero.
+  void into(std::span<float> out) const override {
+    values_reader<Archive>(ar_, out.size(), site_, {}, &hash_).read(out);
+  }
+  void into(std::span<double> out) const override {
+    values_reader<Archive>(ar_, out.size(), site_, {}, &hash_).read(out);
   }
 
   /// Reads the block front to back: `read(i, reader)` reads the values of entry `i` with a
   /// `values_reader`; bytes outside every entry must be zero.
   template <class F>
-  void each(F&& read) const {
+  void each_entry(F&& read) const {
     // Zero-element entries first where an offset is shared, so they never overlap a neighbour.
     const auto before = [&](std::size_t a, std::size_t b) {
       const block_entry& x = entries_[a];
@@ -1145,11 +1139,15 @@ class values_block {
   }
 
   /// Fails unless `size` bytes read from the block at `bytes` are zero.
-  void check_zero(const unsigned char* bytes, std::size_t size) const {
+  void check_zero(const unsigned char* bytes, std::size_t size) const override {
     if (!all_zero(bytes, size)) site_.fail("has bytes outside its tensors' values that are not zero: it is corrupt.");
   }
 
  private:
+  void each_tensor(const tensor_visitor& read) const override {
+    each_entry([&](std::size_t i, const values_source& values) { read(i, values); });
+  }
+
   void zeros(std::uint64_t count) const {
     std::array<unsigned char, 4096> piece{};
     while (count != 0) {
@@ -1240,7 +1238,7 @@ struct record_sink {
   }
   template <class Archive>
   void values(const values_block<Archive>& block) {
-    block.each([&](std::size_t i, const values_reader<Archive>& values) {
+    block.each_entry([&](std::size_t i, const values_reader<Archive>& values) {
       tensor_record& tensor = record.gradients.tensors[i];
       visit_stored_type(tensor.dtype,
                         [&]<class S>() { values.into(tensor.values.template emplace<std::vector<S>>()); });

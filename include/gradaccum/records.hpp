@@ -20,6 +20,11 @@
 
 namespace gradaccum {
 
+/// @brief Version of the record format: the cereal class version of every record type (see
+/// `<gradaccum/cereal.hpp>`). Only this version loads; a record of another one is refused with
+/// `errc::invalid_record` naming both. Version 5 starts every record with a tag naming its type.
+inline constexpr std::uint32_t record_format_version = 5;
+
 /// @brief Longest parameter id a record holds, in bytes. Saving a longer one, or loading a
 /// checkpoint that declares one, throws error(errc::invalid_record): a length field read from
 /// untrusted bytes is refused before anything is allocated for it.
