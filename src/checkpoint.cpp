@@ -6,4 +6,4 @@
 #endif
 
 #include "gradaccum/checkpoint.hpp"
-#include "gradaccum/detail/checkpoint_files.hpp"
+#include "gradaccum/checkpoint/files.hpp"

@@ -1,5 +1,5 @@
 /// @file
-/// @brief detail/checksum.hpp: `content_hash` is XXH3-64 of the bytes it was given, however they
+/// @brief checkpoint/checksum.hpp: `content_hash` is XXH3-64 of the bytes it was given, however they
 /// were split, on whichever vector path the machine runs (the AVX2 one where the CPU has it).
 
 #include <cstddef>
@@ -9,7 +9,7 @@
 
 #include <doctest/doctest.h>
 
-#include <gradaccum/detail/checksum.hpp>
+#include <gradaccum/checkpoint/checksum.hpp>
 
 using gradaccum::detail::content_hash;
 

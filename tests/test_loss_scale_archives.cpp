@@ -18,7 +18,7 @@
 #include <cereal/archives/xml.hpp>
 
 #include <gradaccum/cereal.hpp>
-#include <gradaccum/detail/text_archives.hpp>
+#include <gradaccum/checkpoint/text_archives.hpp>
 #include <gradaccum/dynamic_loss_scale.hpp>
 
 #include "test_helpers.hpp"

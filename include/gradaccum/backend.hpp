@@ -50,72 +50,13 @@
 #include <string>
 #include <string_view>
 
+#include "gradaccum/detail/backend_requirements.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/shape.hpp"
 #include "gradaccum/type_list.hpp"
 
 namespace gradaccum {
-
-namespace detail {
-
-template <class B>
-concept has_views = requires { typename B::template view<float>; };
-
-template <class B>
-concept has_backend_types = requires {
-  typename B::device_type;
-  typename B::element_types;
-  typename B::template tensor<float>;
-  typename B::template tensor<double>;
-};
-
-/// What the library does with an incoming gradient of type X (a tensor or a view).
-template <class B, class X>
-concept backend_input = requires(const X& g, std::span<float> acc32, std::span<double> acc64) {
-  { B::shape(g) } -> std::same_as<tensor_shape>;
-  { B::device(g) } -> std::convertible_to<typename B::device_type>;
-  { B::add_scaled(acc32, g, 1.0F) } noexcept;
-  { B::add_scaled(acc64, g, 1.0) } noexcept;
-  { B::template convert<float>(g) } -> std::same_as<typename B::template tensor<float>>;
-  { B::template convert<double>(g) } -> std::same_as<typename B::template tensor<double>>;
-};
-
-/// How the library shows a segment of work type W.
-template <class B, class W>
-concept backend_work = requires(std::span<const W> values, const tensor_shape& shape,
-                                const typename B::device_type& device) { B::template map<W>(values, shape, device); };
-
-template <class B, class T>
-struct element_supported : std::bool_constant<element_type<T> && backend_input<B, typename B::template tensor<T>> &&
-                                              std::copyable<typename B::template tensor<T>>> {};
-
-template <class B, class List>
-struct all_elements_supported;
-template <class B, class... Ts>
-struct all_elements_supported<B, type_list<Ts...>>
-    : std::bool_constant<(element_supported<B, Ts>::value && ...) && list_contains<float, type_list<Ts...>>::value &&
-                         list_contains<double, type_list<Ts...>>::value> {};
-
-template <class B, class List>
-struct all_views_supported;
-template <class B, class... Ts>
-struct all_views_supported<B, type_list<Ts...>>
-    : std::bool_constant<(backend_input<B, typename B::template view<Ts>> && ...)> {};
-
-template <class B, class T>
-concept row_major_io = requires(const typename B::template tensor<T>& t, std::span<T> out, std::span<const T> in,
-                                const tensor_shape& shape, const typename B::device_type& device) {
-  B::to_row_major(t, out);
-  { B::template from_row_major<T>(in, shape, device) } -> std::same_as<typename B::template tensor<T>>;
-};
-
-template <class B, class List>
-struct all_row_major_io;
-template <class B, class... Ts>
-struct all_row_major_io<B, type_list<Ts...>> : std::bool_constant<(row_major_io<B, Ts> && ...)> {};
-
-}  // namespace detail
 
 /// @brief A traits type `B` that lets the library create, accumulate into and divide tensors.
 template <class B>
@@ -128,6 +69,8 @@ concept tensor_backend =
 /// @brief A backend whose tensors can be copied to and from row-major buffers (records).
 template <class B>
 concept serializable_backend = tensor_backend<B> && detail::all_row_major_io<B, typename B::element_types>::value;
+
+// ---- Implementation ------------------------------------------------------------------------------
 
 namespace detail {
 

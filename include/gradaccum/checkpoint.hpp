@@ -40,8 +40,8 @@
 /// Problems with the file itself (missing, unreadable, not regular, disk full, unknown
 /// extension) throw `std::filesystem::filesystem_error` naming the path; running out of memory
 /// throws `std::bad_alloc`. JSON and XML files are written by the library's archives and JSON
-/// files read by its own parser (`detail/text_archives.hpp`); XML files are read by cereal's
-/// archive behind the checks of `detail/text_guards.hpp`.
+/// files read by its own parser (`checkpoint/text_archives.hpp`); XML files are read by cereal's
+/// archive behind the checks of `checkpoint/text_guards.hpp`.
 
 #include <concepts>
 #include <cstdint>
@@ -54,7 +54,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "gradaccum/detail/tensor_sink.hpp"
+#include "gradaccum/checkpoint/tensor_sink.hpp"
 #include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/parameter_set.hpp"
 #include "gradaccum/records.hpp"
@@ -401,5 +401,5 @@ std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumu
 }  // namespace gradaccum
 
 #ifndef GRADACCUM_SEPARATE_COMPILATION
-#include "gradaccum/detail/checkpoint_files.hpp"
+#include "gradaccum/checkpoint/files.hpp"
 #endif

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <iterator>
 #include <memory>
+#include <span>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -278,5 +279,24 @@ template <class T>
 void reserve_geometric(stable_vector<T>& v, std::size_t count) {
   if (count > v.capacity()) v.reserve(std::max(count, 2 * v.capacity()));
 }
+
+/// The adds of one stored alternative into F32 and F64 sums. An entry takes them where its
+/// type is known (at insert), so a program instantiates the kernels of the element types it
+/// inserts, not of every type the backend supports.
+template <class B>
+struct gradient_adds {
+  template <class W>
+  using add = void (*)(std::span<W>, const gradient_variant_t<B>&, W) noexcept;
+  add<float> f32;
+  add<double> f64;
+};
+
+template <class B, class Stored, class W>
+void add_stored(std::span<W> acc, const gradient_variant_t<B>& value, W scale) noexcept {
+  B::add_scaled(acc, unwrap(*std::get_if<Stored>(&value)), scale);
+}
+
+template <class B, class Stored>
+inline constexpr gradient_adds<B> adds_of{&add_stored<B, Stored, float>, &add_stored<B, Stored, double>};
 
 }  // namespace gradaccum::detail

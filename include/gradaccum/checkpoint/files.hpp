@@ -27,10 +27,11 @@
 
 #include "gradaccum/cereal.hpp"
 #include "gradaccum/checkpoint.hpp"
-#include "gradaccum/detail/posix_file.hpp"
-#include "gradaccum/detail/tensor_sink.hpp"
-#include "gradaccum/detail/text_archives.hpp"
-#include "gradaccum/detail/text_guards.hpp"
+#include "gradaccum/checkpoint/posix_file.hpp"
+#include "gradaccum/checkpoint/tensor_sink.hpp"
+#include "gradaccum/checkpoint/text_archives.hpp"
+#include "gradaccum/checkpoint/text_guards.hpp"
+#include "gradaccum/checkpoint/xml_output_archive.hpp"
 #include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/records.hpp"
@@ -65,7 +66,7 @@ struct archives_of<checkpoint_format::xml> {
 };
 
 /// The archives checkpoint files are read and written with: cereal's binary ones, the library's
-/// JSON archives and XML writer, cereal's XML reader (see `detail/text_archives.hpp`).
+/// JSON archives and XML writer, cereal's XML reader (see `checkpoint/text_archives.hpp`).
 template <checkpoint_format F>
 struct checkpoint_archives_of : archives_of<F> {};
 template <>

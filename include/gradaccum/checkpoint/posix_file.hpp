@@ -30,7 +30,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "gradaccum/cereal.hpp"
+#include "gradaccum/checkpoint/record_fields.hpp"
 
 namespace gradaccum::detail {
 

@@ -16,7 +16,7 @@
 #include <string_view>
 #include <system_error>
 
-#include "gradaccum/detail/text_archives.hpp"
+#include "gradaccum/checkpoint/text_archives.hpp"
 #include "gradaccum/error.hpp"
 
 namespace gradaccum::detail {

@@ -1,0 +1,78 @@
+#pragma once
+/// @file
+/// @brief The checks a gradient goes through before anything is added: its id against the
+/// parameter set, its shape and device against its parameter's, and the scalars of a call.
+
+#include <string>
+#include <string_view>
+
+#include "gradaccum/backend.hpp"
+#include "gradaccum/dtype.hpp"
+#include "gradaccum/error.hpp"
+#include "gradaccum/parameter_set.hpp"
+
+namespace gradaccum {
+
+namespace detail {
+
+template <class B>
+[[noreturn]] void fail_unknown(std::string_view id) {
+  fail(errc::unknown_parameters, "gradient '" + std::string(id) + "' names no parameter of the parameter set.",
+       std::string(id));
+}
+
+/// Checks that the gradient `id` has the shape and device of `param`; throws parameter_mismatch.
+template <class B, class X>
+void check_geometry(const typename parameter_set<B>::parameter& param, std::string_view id, const X& value) {
+  if (!same_shape<B>(shape_of<B>(value, id), param.shape)) {
+    fail(errc::parameter_mismatch,
+         "gradient '" + std::string(id) + "' has shape " + shape_of<B>(value, id).to_string() +
+             " but its parameter has shape " + param.shape.to_string() + ".",
+         std::string(id));
+  }
+  if (!(B::device(value) == param.device)) {
+    fail(errc::parameter_mismatch, "gradient '" + std::string(id) + "' is on another device than its parameter.",
+         std::string(id));
+  }
+}
+
+/// Position of `id` in `params`, checking geometry; throws unknown_parameters or parameter_mismatch.
+template <class B, class X>
+std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X& value, std::size_t hint) {
+  const auto position = params.find(id, hint);
+  if (!position) fail_unknown<B>(id);
+  check_geometry<B>(params[*position], id, value);
+  return *position;
+}
+
+template <float_dtype D, class F>
+decltype(auto) with_work_type(F&& f) {
+  return std::forward<F>(f).template operator()<work_type<D>>();
+}
+
+/// Calls `f.template operator()<W>()` with W the C++ type of work dtype `dtype`.
+template <class F>
+decltype(auto) visit_work_dtype(float_dtype dtype, F&& f) {
+  if (dtype == float_dtype::f64) return with_work_type<float_dtype::f64>(std::forward<F>(f));
+  return with_work_type<float_dtype::f32>(std::forward<F>(f));
+}
+
+inline void require_work_dtype(float_dtype dtype) {
+  if (!is_work_dtype(dtype)) {
+    fail(errc::invalid_dtype,
+         "dtype " + std::string(to_string(dtype)) + " cannot be used for arithmetic; use F32 or F64.");
+  }
+}
+
+inline void require_scalar(double value, float_dtype dtype, bool divisor) {
+  const bool narrows_to_zero = dtype == float_dtype::f32 && static_cast<float>(value) == 0.0F && value != 0.0;
+  if (!representable(value, dtype) || narrows_to_zero || (divisor && value == 0.0)) {
+    fail(errc::invalid_scalar, std::string(divisor ? "divisor " : "multiplier ") + detail::number_text(value) +
+                                   " is not representable as a " + (divisor ? "non-zero " : "") +
+                                   std::string(to_string(dtype)) + " value.");
+  }
+}
+
+}  // namespace detail
+
+}  // namespace gradaccum
