@@ -1,7 +1,8 @@
 // Compiled, never run: which types are backends. The built-in and test backends satisfy both
 // concepts (the built-in ones also `host_memory_backend`); a type that lacks or breaks any one
 // required piece satisfies neither (or, lacking a row-major function, only `tensor_backend`).
-// The build fails if any of this stops being true.
+// The build fails if any of this stops being true (the backends' headers do not check
+// themselves: every file that includes one would pay for it).
 // What a user sees for each broken type is checked by the backend_diagnostic tests.
 #include <gradaccum/backend.hpp>
 
@@ -17,6 +18,11 @@ static_assert(gradaccum::detail::check_backend<gradaccum::eigen_backend>());
 #include <gradaccum/backends/xtensor.hpp>
 static_assert(gradaccum::serializable_backend<gradaccum::xtensor_backend>);
 static_assert(gradaccum::detail::check_backend<gradaccum::xtensor_backend>());
+#endif
+#if GRADACCUM_TEST_HAVE_TORCH
+#include <gradaccum/backends/torch.hpp>
+static_assert(gradaccum::serializable_backend<gradaccum::torch_backend>);
+static_assert(gradaccum::detail::check_backend<gradaccum::torch_backend>());
 #endif
 
 namespace gradaccum::test {

@@ -272,6 +272,4 @@ struct eigen_backend {
   }
 };
 
-static_assert(serializable_backend<eigen_backend>);
-
 }  // namespace gradaccum

@@ -453,4 +453,3 @@ inline void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& n
 
 }  // namespace gradaccum
 
-static_assert(gradaccum::serializable_backend<gradaccum::torch_backend>);

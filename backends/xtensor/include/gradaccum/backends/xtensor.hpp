@@ -252,6 +252,4 @@ struct xtensor_backend {
   static shape_type to_shape_type(const tensor_shape& s) { return {s.begin(), s.end()}; }
 };
 
-static_assert(serializable_backend<xtensor_backend>);
-
 }  // namespace gradaccum
