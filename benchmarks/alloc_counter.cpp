@@ -5,7 +5,8 @@
 /// allocations that matter most here (pending tensors). On glibc this file replaces the malloc
 /// family itself, forwarding to glibc's own implementation (`__libc_*`), which glibc supports;
 /// operator new goes through malloc and is counted once. Elsewhere it falls back to replacing
-/// the global operator new. One definition per binary.
+/// the global operator new (tests/replaced_new.hpp, shared with the tests). One definition per
+/// binary.
 
 #include <atomic>
 #include <cstddef>
@@ -71,95 +72,15 @@ int posix_memalign(void** out, std::size_t alignment, std::size_t size) noexcept
 
 #else  // count operator new only
 
-namespace {
-void* counted_new(std::size_t size) {
-  count_one();
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void* counted_new_aligned(std::size_t size, std::align_val_t alignment) {
-  count_one();
-  const auto a = static_cast<std::size_t>(alignment);
-  if (void* p = std::aligned_alloc(a, (size + a - 1) / a * a)) return p;
-  throw std::bad_alloc();
-}
-}  // namespace
+#include "replaced_new.hpp"
 
-void* operator new(std::size_t size) {
-  return counted_new(size);
+void* replaced_new::allocate(std::size_t size) {
+  count_one();
+  return malloc_or_throw(size);
 }
-void* operator new[](std::size_t size) {
-  return counted_new(size);
-}
-void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  try {
-    return counted_new(size);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
-  try {
-    return counted_new(size);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new(std::size_t size, std::align_val_t a) {
-  return counted_new_aligned(size, a);
-}
-void* operator new[](std::size_t size, std::align_val_t a) {
-  return counted_new_aligned(size, a);
-}
-void* operator new(std::size_t size, std::align_val_t a, const std::nothrow_t&) noexcept {
-  try {
-    return counted_new_aligned(size, a);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t size, std::align_val_t a, const std::nothrow_t&) noexcept {
-  try {
-    return counted_new_aligned(size, a);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void operator delete(void* p) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::size_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::size_t) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, const std::nothrow_t&) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, const std::nothrow_t&) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept {
-  std::free(p);
+void* replaced_new::allocate_aligned(std::size_t size, std::align_val_t alignment) {
+  count_one();
+  return aligned_alloc_or_throw(size, alignment);
 }
 
 #endif

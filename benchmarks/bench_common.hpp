@@ -30,6 +30,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -162,6 +163,12 @@ constexpr std::string_view dtype_name<bf16_bits>() {
 /// Storage type of an incoming element: the type itself, or the bits for 16-bit tags.
 template <class In>
 using storage_t = std::conditional_t<std::is_same_v<In, f16_bits> || std::is_same_v<In, bf16_bits>, std::uint16_t, In>;
+
+/// An incoming element as a library whose 16-bit float types are F16 and BF16 sees it: the type
+/// itself, or that library's 2-byte type of the same bits.
+template <class In, class F16, class BF16>
+using element_t =
+    std::conditional_t<std::is_same_v<In, f16_bits>, F16, std::conditional_t<std::is_same_v<In, bf16_bits>, BF16, In>>;
 
 template <class W, class In>
 std::string pair_name() {

@@ -12,8 +12,7 @@
 namespace ga_bench {
 
 template <class In>
-using eigen_element_t = std::conditional_t<std::is_same_v<In, f16_bits>, Eigen::half,
-                                           std::conditional_t<std::is_same_v<In, bf16_bits>, Eigen::bfloat16, In>>;
+using eigen_element_t = element_t<In, Eigen::half, Eigen::bfloat16>;
 
 static_assert(sizeof(Eigen::half) == 2 && std::is_trivially_copyable_v<Eigen::half>);
 static_assert(sizeof(Eigen::bfloat16) == 2 && std::is_trivially_copyable_v<Eigen::bfloat16>);

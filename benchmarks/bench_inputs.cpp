@@ -64,13 +64,15 @@ void with_eigen_input(input kind, const Eigen::MatrixXf& big, Eigen::Index n, F&
   }
 }
 
-void eigen_ours(benchmark::State& state, input kind) {
-  const auto n = static_cast<Eigen::Index>(side_of(state));
-  const Eigen::MatrixXf big = source(kind, n);
-  using B = gradaccum::eigen_backend;
+/// gradaccum's row on backend B: the gradient that `with_input` hands its callback is added as
+/// parameter "w" and inserted as its gradient, then accumulated as a mean once per iteration,
+/// after a first call that lays out the window's buffer.
+template <class B, class WithInput>
+void ours(benchmark::State& state, WithInput&& with_input) {
+  const std::size_t n = side_of(state);
   gradaccum::parameter_set<B> params;
   gradaccum::gradients_params<B> grads(params);  // bound: ids resolved once, at insert
-  with_eigen_input(kind, big, n, [&](const auto& g) {
+  with_input([&](const auto& g) {
     params.add("w", g);
     grads.insert("w", g);
   });
@@ -85,6 +87,12 @@ void eigen_ours(benchmark::State& state, input kind) {
     }
   }
   state.counters["bytes"] = static_cast<double>(3 * n * n * 4);
+}
+
+void eigen_ours(benchmark::State& state, input kind) {
+  const auto n = static_cast<Eigen::Index>(side_of(state));
+  const Eigen::MatrixXf big = source(kind, n);
+  ours<gradaccum::eigen_backend>(state, [&](const auto& bind) { with_eigen_input(kind, big, n, bind); });
 }
 
 void eigen_native(benchmark::State& state, input kind) {
@@ -122,24 +130,7 @@ void with_xtensor_input(input kind, const xt::xarray<float>& big, std::size_t n,
 void xtensor_ours(benchmark::State& state, input kind) {
   const auto n = side_of(state);
   const xt::xarray<float> big = xsource(kind, n);
-  using B = gradaccum::xtensor_backend;
-  gradaccum::parameter_set<B> params;
-  gradaccum::gradients_params<B> grads(params);  // bound: ids resolved once, at insert
-  with_xtensor_input(kind, big, n, [&](auto&& g) {
-    params.add("w", g);
-    grads.insert("w", g);
-  });
-  gradaccum::weighted_gradients_accumulator<B> window(gradaccum::float_dtype::f32, 1.0);
-  const double weight = opaque(mean_weight);
-  window.accumulate_mean(params, grads, weight);
-  {
-    alloc_probe probe(state);
-    for (auto _ : state) {
-      window.accumulate_mean(params, grads, weight);
-      benchmark::ClobberMemory();
-    }
-  }
-  state.counters["bytes"] = static_cast<double>(3 * n * n * 4);
+  ours<gradaccum::xtensor_backend>(state, [&](const auto& bind) { with_xtensor_input(kind, big, n, bind); });
 }
 
 void xtensor_noalias(benchmark::State& state, input kind) {

@@ -8,14 +8,15 @@
 /// "_buffer" cases hold them in a `gradient_buffer` the backward pass writes into; the
 /// many-small cases also show the unbound container, which resolves every id on every call.
 
+#include "bench_ours.hpp"
 #include "bench_peers.hpp"
 
 // GRADACCUM_BENCH_OURS_EIGEN / _XTENSOR come from meson.build: the backend's dependency was found.
 #ifdef GRADACCUM_BENCH_OURS_EIGEN
+#include <Eigen/Core>
+
 #include <gradaccum/backends/eigen.hpp>
 #include <gradaccum/gradaccum.hpp>
-
-#include "bench_eigen.hpp"
 #endif
 
 #ifdef GRADACCUM_BENCH_OURS_XTENSOR
@@ -33,68 +34,47 @@
 namespace ga_bench {
 namespace {
 
-/// Drives one accumulator through `accumulate_sum` (weight 1) or `accumulate_mean`
-/// (weight `mean_weight`): the total weight grows by at most 3 per call, far from the F32 limit.
-template <class B, class G>
-void accumulate_loop(benchmark::State& state, const accumulate_case& c, const gradaccum::parameter_set<B>& params,
-                     const G& grads, gradaccum::float_dtype work) {
-  gradaccum::weighted_gradients_accumulator<B> acc(work, 1.0);
-  const auto step = [&] {
-    if (c.mean) {
-      acc.accumulate_mean(params, grads, mean_weight);
-    } else {
-      acc.accumulate_sum(params, grads, 1.0);
-    }
-  };
-  step();  // creates the pending tensor
-  {
-    alloc_probe probe(state);
-    for (auto _ : state) {
-      step();
-      benchmark::ClobberMemory();
-    }
-  }
-  state.counters["threads"] = openmp_threads();  // the pool gradaccum may split large tensors over
-}
-
 std::string param_name(std::size_t i) {
   return "blocks." + std::to_string(i) + ".mlp.weight";
 }
 
-/// What the generic cases need from each backend: its row name, the element type of a
-/// benchmark dtype, and a read-only view of n contiguous elements.
+/// What the generic cases need from a backend: the element type of a benchmark dtype (for the
+/// 16-bit ones, the backend's 2-byte type F16 or BF16 of the same bits) and the shape of a vector
+/// of n elements ([n, 1] where vectors are columns, as in Eigen; else [n]).
+template <class F16, class BF16, bool column_vectors>
+struct backend_facts {
+  template <class In>
+  using element = element_t<In, F16, BF16>;
+  static gradaccum::tensor_shape vector(std::size_t n) {
+    return column_vectors ? gradaccum::tensor_shape{n, 1} : gradaccum::tensor_shape{n};
+  }
+};
+
+/// Each backend's row name, with its `backend_facts`.
 template <class B>
 struct backend_of;
 
 #ifdef GRADACCUM_BENCH_OURS_EIGEN
-using eigen_b = gradaccum::eigen_backend;
 template <>
-struct backend_of<eigen_b> {
+struct backend_of<gradaccum::eigen_backend> : backend_facts<Eigen::half, Eigen::bfloat16, true> {
   static constexpr const char* name = "ours_eigen";
-  template <class In>
-  using element = eigen_element_t<In>;
-  template <class T>
-  static auto view(const T* p, std::size_t n) {
-    return eigen_b::view<T>(p, gradaccum::tensor_shape{n, 1});
-  }
 };
 #endif
 
 #ifdef GRADACCUM_BENCH_OURS_XTENSOR
-using xtensor_b = gradaccum::xtensor_backend;
+/// xtensor has no 16-bit float type; the backend stores them as bit patterns.
 template <>
-struct backend_of<xtensor_b> {
+struct backend_of<gradaccum::xtensor_backend> : backend_facts<gradaccum::f16_bits, gradaccum::bf16_bits, false> {
   static constexpr const char* name = "ours_xtensor";
-  // xtensor has no 16-bit float type; the backend stores them as bit patterns.
-  template <class In>
-  using element = std::conditional_t<std::is_same_v<In, f16_bits>, gradaccum::f16_bits,
-                                     std::conditional_t<std::is_same_v<In, bf16_bits>, gradaccum::bf16_bits, In>>;
-  template <class T>
-  static auto view(const T* p, std::size_t n) {
-    return xtensor_b::view_of<T>(p, xtensor_b::shape_type{n});
-  }
 };
 #endif
+
+/// A read-only view of n contiguous elements, in place (both backends' views are
+/// `gradaccum::strided_view`s).
+template <class B, class T>
+auto view_of(const T* p, std::size_t n) {
+  return typename B::template view<T>(p, backend_of<B>::vector(n));
+}
 
 /// The shared buffers as elements of B (16-bit: the same bits, another 2-byte type).
 template <class B, class In>
@@ -109,11 +89,12 @@ void accumulate_case_body(benchmark::State& state, accumulate_case c) {
   const std::size_t n = c.elements();
   const auto* g = elements_of<B, In>(pool().gradient<In>(n));
   gradaccum::parameter_set<B> params;
-  params.add("w", backend_of<B>::view(g, n));
+  params.add("w", view_of<B>(g, n));
   gradaccum::gradients_params<B> grads(params);
-  grads.insert("w", backend_of<B>::view(g, n));
+  grads.insert("w", view_of<B>(g, n));
   accumulate_loop(state, c, params, grads, gradaccum::dtype_of<W>);
   state.counters["bytes"] = accumulate_bytes<W, In>(n);
+  state.counters["threads"] = openmp_threads();  // the pool gradaccum may split large tensors over
 }
 
 /// The same gradient in a `gradient_buffer` laid out for the parameter set, as a backward pass
@@ -124,12 +105,13 @@ void accumulate_buffer_body(benchmark::State& state, accumulate_case c) {
   const std::size_t n = c.elements();
   const auto* g = elements_of<B, In>(pool().gradient<In>(n));
   gradaccum::parameter_set<B> params;
-  params.add("w", backend_of<B>::view(g, n));
+  params.add("w", view_of<B>(g, n));
   gradaccum::gradient_buffer<B, E> buffer(params);
   const std::span<E> segment = buffer.values("w");
   std::memcpy(segment.data(), g, segment.size_bytes());
   accumulate_loop(state, c, params, buffer, gradaccum::dtype_of<W>);
   state.counters["bytes"] = accumulate_bytes<W, In>(n);
+  state.counters["threads"] = openmp_threads();
 }
 
 /// `count` parameters of `elements` floats, each gradient its own allocation, viewed in place;
@@ -148,14 +130,14 @@ struct small_model {
     for (std::size_t i = 0; i < c.count; ++i) {
       storage.push_back(allocate_pages_small(c.elements * sizeof(float)));
       std::memcpy(storage.back().get(), source + i * c.elements, c.elements * sizeof(float));
-      params.add(param_name(i), backend_of<B>::view(data(i), elements));
+      params.add(param_name(i), view_of<B>(data(i), elements));
     }
     insert_all();
   }
   [[nodiscard]] const float* data(std::size_t i) const { return static_cast<const float*>(storage[i].get()); }
   void insert_all() {
     for (std::size_t i = 0; i < storage.size(); ++i)
-      grads.insert_or_assign(params[i].id, backend_of<B>::view(data(i), elements));
+      grads.insert_or_assign(params[i].id, view_of<B>(data(i), elements));
   }
 };
 
@@ -211,9 +193,9 @@ void finish_body(benchmark::State& state, std::size_t bytes) {
   const std::size_t n = bytes / sizeof(W);
   const W* g = pool().gradient<W>(n);
   gradaccum::parameter_set<B> params;
-  params.add("w", backend_of<B>::view(g, n));
+  params.add("w", view_of<B>(g, n));
   gradaccum::gradients_params<B> grads;
-  grads.insert("w", backend_of<B>::view(g, n));
+  grads.insert("w", view_of<B>(g, n));
   gradaccum::weighted_gradients_accumulator<B> acc(gradaccum::dtype_of<W>, finish_loss_scale);
   std::optional<gradaccum::accumulated_gradients<B>> result;
   // pending = g with total weight 3; the result is freed outside the timed part.
@@ -232,10 +214,10 @@ void finish_body(benchmark::State& state, std::size_t bytes) {
 template <class F>
 void for_each_backend(F&& f) {
 #ifdef GRADACCUM_BENCH_OURS_EIGEN
-  f.template operator()<eigen_b>();
+  f.template operator()<gradaccum::eigen_backend>();
 #endif
 #ifdef GRADACCUM_BENCH_OURS_XTENSOR
-  f.template operator()<xtensor_b>();
+  f.template operator()<gradaccum::xtensor_backend>();
 #endif
   (void)f;
 }

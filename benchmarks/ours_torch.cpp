@@ -11,6 +11,7 @@
 #include <string>
 #include <type_traits>
 
+#include "bench_ours.hpp"
 #include "bench_peers.hpp"
 
 namespace ga_bench {
@@ -42,22 +43,7 @@ void accumulate(benchmark::State& state, accumulate_case c) {
   params.add("w", g);
   gradaccum::gradients_params<gradaccum::torch_backend> grads;
   grads.insert("w", g);
-  gradaccum::weighted_gradients_accumulator<gradaccum::torch_backend> acc(gradaccum::dtype_of<W>, 1.0);
-  const auto step = [&] {
-    if (c.mean) {
-      acc.accumulate_mean(params, grads, mean_weight);
-    } else {
-      acc.accumulate_sum(params, grads, 1.0);
-    }
-  };
-  step();  // creates the pending buffer
-  {
-    alloc_probe probe(state);
-    for (auto _ : state) {
-      step();
-      benchmark::ClobberMemory();
-    }
-  }
+  accumulate_loop(state, c, params, grads, gradaccum::dtype_of<W>);
   state.counters["bytes"] = accumulate_bytes<W, In>(n);
 }
 

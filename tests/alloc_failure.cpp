@@ -1,13 +1,13 @@
 /// @file
-/// @brief Replaced operator new/delete and wrapped malloc behind `allocation_probe` (see
-/// alloc_failure.hpp). Link with
-/// `-Wl,--wrap=malloc,--wrap=realloc`.
+/// @brief Replaced operator new/delete (replaced_new.hpp) and wrapped malloc behind
+/// `allocation_probe` (see alloc_failure.hpp). Link with `-Wl,--wrap=malloc,--wrap=realloc`.
 
 #include "alloc_failure.hpp"
 
 #include <cstddef>
-#include <cstdlib>
 #include <new>
+
+#include "replaced_new.hpp"
 
 namespace {
 
@@ -32,19 +32,6 @@ bool allocation_allowed() noexcept {
   return true;
 }
 
-void* allocate(std::size_t size) {
-  // Goes through the wrapped malloc, so it is counted (once) there.
-  if (void* memory = std::malloc(size == 0 ? 1 : size)) return memory;
-  throw std::bad_alloc();
-}
-
-void* allocate_aligned(std::size_t size, std::align_val_t alignment) {
-  const auto align = static_cast<std::size_t>(alignment);
-  if (!allocation_allowed()) throw std::bad_alloc();
-  if (void* memory = std::aligned_alloc(align, (size + align - 1) / align * align)) return memory;
-  throw std::bad_alloc();
-}
-
 }  // namespace
 
 // The names the linker's --wrap=malloc gives the wrapper and the original.
@@ -63,47 +50,14 @@ void* __wrap_realloc(void* memory, std::size_t size) {
 }
 // NOLINTEND(bugprone-reserved-identifier)
 
-void* operator new(std::size_t size) {
-  return allocate(size);
+void* replaced_new::allocate(std::size_t size) {
+  // Goes through the wrapped malloc, so it is counted (once) there.
+  return malloc_or_throw(size);
 }
-void* operator new[](std::size_t size) {
-  return allocate(size);
-}
-void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  return std::malloc(size == 0 ? 1 : size);
-}
-void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
-  return std::malloc(size == 0 ? 1 : size);
-}
-void* operator new(std::size_t size, std::align_val_t alignment) {
-  return allocate_aligned(size, alignment);
-}
-void* operator new[](std::size_t size, std::align_val_t alignment) {
-  return allocate_aligned(size, alignment);
-}
-void operator delete(void* memory) noexcept {
-  std::free(memory);
-}
-void operator delete[](void* memory) noexcept {
-  std::free(memory);
-}
-void operator delete(void* memory, std::size_t) noexcept {
-  std::free(memory);
-}
-void operator delete[](void* memory, std::size_t) noexcept {
-  std::free(memory);
-}
-void operator delete(void* memory, std::align_val_t) noexcept {
-  std::free(memory);
-}
-void operator delete[](void* memory, std::align_val_t) noexcept {
-  std::free(memory);
-}
-void operator delete(void* memory, std::size_t, std::align_val_t) noexcept {
-  std::free(memory);
-}
-void operator delete[](void* memory, std::size_t, std::align_val_t) noexcept {
-  std::free(memory);
+
+void* replaced_new::allocate_aligned(std::size_t size, std::align_val_t alignment) {
+  if (!allocation_allowed()) throw std::bad_alloc();
+  return aligned_alloc_or_throw(size, alignment);
 }
 
 namespace gradaccum::test {

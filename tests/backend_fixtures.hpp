@@ -84,7 +84,7 @@ struct backend_fixture<xtensor_backend> {
 #if GRADACCUM_TEST_HAVE_TORCH
 /// libtorch's CPU build has no second device with values (the meta device has none, and
 /// `adapt` refuses it), so the tests of a gradient on another device do not run here;
-/// test_torch.cpp checks that a meta gradient is refused.
+/// test_torch_inputs.cpp checks that a meta gradient is refused.
 template <>
 struct backend_fixture<torch_backend> {
   static c10::Device device() noexcept { return c10::Device(c10::kCPU); }

@@ -1,7 +1,8 @@
 /// @file
 /// @brief What only the Eigen backend promises: column-major matrices recorded row-major,
 /// `Eigen::Map` views read in place, Eigen's 16-bit types, and records that move to another
-/// backend and back exactly. The accumulation contract itself runs in conformance.cpp.
+/// backend and back exactly. The accumulation contract itself runs in the conformance suite
+/// (conformance.hpp).
 
 #include <bit>
 #include <cmath>

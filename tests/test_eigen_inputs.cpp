@@ -15,6 +15,7 @@
 #include <gradaccum/gradaccum.hpp>
 
 #include "alloc_failure.hpp"
+#include "input_checks.hpp"
 
 #if GRADACCUM_TEST_HAVE_XTENSOR
 #include <xtensor/xtensor.hpp>
@@ -50,82 +51,30 @@ std::vector<float> row_major_of(const Eigen::DenseBase<X>& x) {
   return {m.data(), m.data() + m.size()};
 }
 
-/// What the window makes of one gradient g given twice (sum, weight 3; mean, weight 2) under loss
-/// scale 2: ((0 + 1 · g) + 2 · g) / 2 / 5, in float, element by element.
-std::vector<float> expected_mean(const std::vector<float>& g) {
-  std::vector<float> out;
-  for (const float x : g) {
-    float p = 0.0F + 1.0F * x;
-    p = p + 2.0F * x;
-    out.push_back(p / 2.0F / 5.0F);
-  }
-  return out;
-}
-
-/// Runs the window of `expected_mean` and returns the result's values for "p" (bits compared
-/// by the caller), checking that pending sums after the first microbatch are g.
-std::vector<float> window_result(const parameter_set<B>& params, const gradients_params<B>& grads,
-                                 const std::vector<float>& g) {
-  weighted_gradients_accumulator<B> window(float_dtype::f32, 2.0);
-  window.accumulate_sum(params, grads, 3.0);
-  const std::span<const float> pending = window.pending().values<float>("p");
-  CHECK(std::vector<float>(pending.begin(), pending.end()) == g);
-  window.accumulate_mean(params, grads, 2.0);
-  const auto result = window.finish_mean(params);
-  const std::span<const float> values = result.gradients.values<float>("p");
-  return {values.begin(), values.end()};
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-/// The parameter `param` gets shape `shape`; the gradient `grad` (row-major values `g`) gives
-/// exactly the values of `expected_mean`, the same bits as a plain matrix with those values.
-template <class P, class G>
-void check_kind(const P& param, G&& grad, const tensor_shape& shape, const std::vector<float>& g) {
-  parameter_set<B> params;
-  params.add("p", param);
-  CHECK(params[0].shape == shape);
-  gradients_params<B> grads;
-  grads.insert("p", std::forward<G>(grad));
-  const std::vector<float> ours = window_result(params, grads, g);
-  CHECK(ours == expected_mean(g));
-
-  // The plain matrix; for a rank above 2, which a matrix cannot hold, row-major contiguous memory.
-  gradients_params<B> plain;
-  if (shape.rank() <= 2) {
-    plain.insert("p", B::from_row_major<float>(g, shape, {}));
-  } else {
-    plain.insert("p", B::view<float>(g.data(), shape));
-  }
-  CHECK(same_bits(ours, window_result(params, plain, g)));
-}
-
 TEST_CASE("vectors are [n], row vectors and matrices [rows, cols], in any size and storage order") {
   Eigen::VectorXf v(3);
   v << 0.1F, 0.2F, 0.3F;
-  check_kind(v, v, tensor_shape{3}, row_major_of(v));
+  check_kind<B>(v, v, tensor_shape{3}, row_major_of(v));
   const Eigen::Vector3f fixed_vector = v;
-  check_kind(fixed_vector, fixed_vector, tensor_shape{3}, row_major_of(v));
+  check_kind<B>(fixed_vector, fixed_vector, tensor_shape{3}, row_major_of(v));
   Eigen::ArrayXf array_vector = v.array();
-  check_kind(array_vector, array_vector, tensor_shape{3}, row_major_of(v));
+  check_kind<B>(array_vector, array_vector, tensor_shape{3}, row_major_of(v));
 
   Eigen::RowVectorXf row = v.transpose();
-  check_kind(row, row, tensor_shape{1, 3}, row_major_of(row));
+  check_kind<B>(row, row, tensor_shape{1, 3}, row_major_of(row));
 
   const matrix m = counting(2, 3);
   Eigen::Matrix<float, 2, 3> fixed = m;
-  check_kind(fixed, fixed, tensor_shape{2, 3}, row_major_of(m));
+  check_kind<B>(fixed, fixed, tensor_shape{2, 3}, row_major_of(m));
   Eigen::Matrix3f square = counting(3, 3);
-  check_kind(square, square, tensor_shape{3, 3}, row_major_of(square));
+  check_kind<B>(square, square, tensor_shape{3, 3}, row_major_of(square));
   row_major_matrix rm = m;
-  check_kind(rm, rm, tensor_shape{2, 3}, row_major_of(m));
+  check_kind<B>(rm, rm, tensor_shape{2, 3}, row_major_of(m));
   Eigen::Matrix<float, 2, 3, Eigen::RowMajor> fixed_rm = m;
-  check_kind(fixed_rm, fixed_rm, tensor_shape{2, 3}, row_major_of(m));
+  check_kind<B>(fixed_rm, fixed_rm, tensor_shape{2, 3}, row_major_of(m));
   Eigen::ArrayXXf array = m.array();
-  check_kind(array, array, tensor_shape{2, 3}, row_major_of(m));
-  check_kind(m, m, tensor_shape{2, 3}, row_major_of(m));
+  check_kind<B>(array, array, tensor_shape{2, 3}, row_major_of(m));
+  check_kind<B>(m, m, tensor_shape{2, 3}, row_major_of(m));
 }
 
 TEST_CASE("maps, refs, blocks, rows, columns and transposes are read through their strides") {
@@ -135,46 +84,46 @@ TEST_CASE("maps, refs, blocks, rows, columns and transposes are read through the
   SUBCASE("a 2 x 3 block of a 4 x 5 matrix: element (0, 2) is big(1, 3)") {
     const auto g = row_major_of(blk);
     CHECK(g[2] == big(1, 3));
-    check_kind(blk, big.block(1, 1, 2, 3), tensor_shape{2, 3}, g);
+    check_kind<B>(blk, big.block(1, 1, 2, 3), tensor_shape{2, 3}, g);
     const row_major_matrix big_rm = big;
-    check_kind(blk, big_rm.block(1, 1, 2, 3), tensor_shape{2, 3}, g);
+    check_kind<B>(blk, big_rm.block(1, 1, 2, 3), tensor_shape{2, 3}, g);
   }
   SUBCASE("a transpose: element (0, 2) of the transpose of a 3 x 2 matrix is m(2, 0)") {
     const matrix m = counting(3, 2);
     const auto g = row_major_of(m.transpose());
     CHECK(g[2] == m(2, 0));
-    check_kind(m.transpose(), m.transpose(), tensor_shape{2, 3}, g);
-    check_kind(big.block(0, 0, 3, 2).transpose(), big.block(0, 0, 3, 2).transpose(), tensor_shape{2, 3},
-               row_major_of(big.block(0, 0, 3, 2).transpose()));
+    check_kind<B>(m.transpose(), m.transpose(), tensor_shape{2, 3}, g);
+    check_kind<B>(big.block(0, 0, 3, 2).transpose(), big.block(0, 0, 3, 2).transpose(), tensor_shape{2, 3},
+                  row_major_of(big.block(0, 0, 3, 2).transpose()));
   }
   SUBCASE("rows are [1, n], columns [n]") {
-    check_kind(big.row(2), big.row(2), tensor_shape{1, 5}, row_major_of(big.row(2)));
-    check_kind(big.col(3), big.col(3), tensor_shape{4}, row_major_of(big.col(3)));
+    check_kind<B>(big.row(2), big.row(2), tensor_shape{1, 5}, row_major_of(big.row(2)));
+    check_kind<B>(big.col(3), big.col(3), tensor_shape{4}, row_major_of(big.col(3)));
   }
   SUBCASE("maps, const and mutable, contiguous and strided, and refs") {
     std::vector<float> buffer(20);
     for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = 0.25F * static_cast<float>(i);
     const Eigen::Map<const matrix> cmap(buffer.data(), 2, 3);
-    check_kind(cmap, cmap, tensor_shape{2, 3}, row_major_of(cmap));
+    check_kind<B>(cmap, cmap, tensor_shape{2, 3}, row_major_of(cmap));
     Eigen::Map<matrix> mmap(buffer.data(), 2, 3);
-    check_kind(mmap, mmap, tensor_shape{2, 3}, row_major_of(mmap));
+    check_kind<B>(mmap, mmap, tensor_shape{2, 3}, row_major_of(mmap));
     const Eigen::Map<const matrix, 0, Eigen::OuterStride<>> outer(buffer.data(), 2, 3, Eigen::OuterStride<>(5));
-    check_kind(outer, outer, tensor_shape{2, 3}, row_major_of(outer));
+    check_kind<B>(outer, outer, tensor_shape{2, 3}, row_major_of(outer));
     const Eigen::Map<const matrix, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>> both(
         buffer.data(), 2, 3, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>(7, 2));
-    check_kind(both, both, tensor_shape{2, 3}, row_major_of(both));
+    check_kind<B>(both, both, tensor_shape{2, 3}, row_major_of(both));
     const Eigen::Map<const Eigen::VectorXf, 0, Eigen::InnerStride<3>> every_third(buffer.data(), 4);
-    check_kind(every_third, every_third, tensor_shape{4}, row_major_of(every_third));
+    check_kind<B>(every_third, every_third, tensor_shape{4}, row_major_of(every_third));
     const Eigen::Ref<const matrix> ref = big.block(0, 1, 2, 3);
-    check_kind(ref, ref, tensor_shape{2, 3}, row_major_of(ref));
+    check_kind<B>(ref, ref, tensor_shape{2, 3}, row_major_of(ref));
   }
 }
 
 TEST_CASE("expressions are evaluated once, at insert") {
   const matrix m = counting(2, 3);
-  check_kind(m, 2.0F * m, tensor_shape{2, 3}, row_major_of(2.0F * m));
-  check_kind(m, matrix::Constant(2, 3, 1.0F), tensor_shape{2, 3}, std::vector<float>(6, 1.0F));
-  check_kind(Eigen::MatrixXf::Zero(2, 3), m.array() + 1.0F, tensor_shape{2, 3}, row_major_of(m.array() + 1.0F));
+  check_kind<B>(m, 2.0F * m, tensor_shape{2, 3}, row_major_of(2.0F * m));
+  check_kind<B>(m, matrix::Constant(2, 3, 1.0F), tensor_shape{2, 3}, std::vector<float>(6, 1.0F));
+  check_kind<B>(Eigen::MatrixXf::Zero(2, 3), m.array() + 1.0F, tensor_shape{2, 3}, row_major_of(m.array() + 1.0F));
 
   matrix source = m;
   int evaluations = 0;
@@ -285,20 +234,20 @@ TEST_CASE("the Tensor module: Eigen::Tensor and TensorMap of any layout, in inde
     for (Eigen::Index b = 0; b < 3; ++b)
       for (Eigen::Index c = 0; c < 4; ++c)
         for (Eigen::Index d = 0; d < 5; ++d) g.push_back(kernel(a, b, c, d));
-  check_kind(kernel, kernel, tensor_shape{2, 3, 4, 5}, g);
+  check_kind<B>(kernel, kernel, tensor_shape{2, 3, 4, 5}, g);
   const Eigen::TensorMap<const Eigen::Tensor<float, 4>> mapped(kernel.data(), 2, 3, 4, 5);
-  check_kind(mapped, mapped, tensor_shape{2, 3, 4, 5}, g);
+  check_kind<B>(mapped, mapped, tensor_shape{2, 3, 4, 5}, g);
   Eigen::Tensor<float, 4, Eigen::RowMajor> row_major_kernel =
       kernel.swap_layout().shuffle(Eigen::array<int, 4>{3, 2, 1, 0});
-  check_kind(row_major_kernel, row_major_kernel, tensor_shape{2, 3, 4, 5}, g);
+  check_kind<B>(row_major_kernel, row_major_kernel, tensor_shape{2, 3, 4, 5}, g);
 
   Eigen::Tensor<float, 1> vector(3);
   vector.setValues({0.1F, 0.2F, 0.3F});
-  check_kind(vector, vector, tensor_shape{3}, {0.1F, 0.2F, 0.3F});
-  check_kind(Eigen::VectorXf(Eigen::Vector3f(0.1F, 0.2F, 0.3F)), vector, tensor_shape{3}, {0.1F, 0.2F, 0.3F});
+  check_kind<B>(vector, vector, tensor_shape{3}, {0.1F, 0.2F, 0.3F});
+  check_kind<B>(Eigen::VectorXf(Eigen::Vector3f(0.1F, 0.2F, 0.3F)), vector, tensor_shape{3}, {0.1F, 0.2F, 0.3F});
   Eigen::Tensor<float, 0> scalar;
   scalar() = 0.5F;
-  check_kind(scalar, scalar, tensor_shape{}, {0.5F});
+  check_kind<B>(scalar, scalar, tensor_shape{}, {0.5F});
 
   Eigen::Tensor<float, 9> too_many(1, 1, 1, 1, 1, 1, 1, 1, 1);
   parameter_set<B> params;
@@ -364,21 +313,8 @@ TEST_CASE("shapes compare as Eigen assigns: [n] is [n, 1], [] is [1, 1]; other s
   CHECK(window.pending().values<float>("scalar")[0] == 4.0F);
   const weighted_gradients_record before = window.try_to_record();
 
-  const auto refused = [&](const char* id, auto&& gradient) {
-    CAPTURE(id);
-    gradients_params<B> wrong = grads;
-    wrong.insert_or_assign(id, gradient);
-    try {
-      window.accumulate_sum(params, wrong, 1.0);
-      FAIL("accepted");
-    } catch (const error& e) {
-      CHECK(e.code() == errc::parameter_mismatch);
-      CHECK(e.param_id() == id);
-    }
-    const weighted_gradients_record after = window.try_to_record();
-    CHECK(after.state.microbatches == before.state.microbatches);
-    CHECK(std::get<std::vector<float>>(after.gradients.tensors[0].values) ==
-          std::get<std::vector<float>>(before.gradients.tensors[0].values));
+  const auto refused = [&](const char* id, const auto& gradient) {
+    check_refused(window, params, grads, before, 0, id, gradient);
   };
   refused("bias", matrix::Zero(1, 3));       // a row for a column vector
   refused("row", Eigen::VectorXf::Zero(3));  // a column for a row vector
@@ -456,14 +392,7 @@ TEST_CASE("accumulating in-place views allocates nothing in steady state") {
   grads.insert("bias", bias);
   grads.insert("kernel", kernel);
   grads.insert("map", Eigen::Map<const matrix, 0, Eigen::OuterStride<>>(buffer.data(), 4, 6, Eigen::OuterStride<>(16)));
-  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
-  window.accumulate_mean(params, grads, 2.0);  // lays out the buffer
-  CHECK(allocations_of([&] {
-          for (int i = 0; i < 3; ++i) {
-            window.accumulate_mean(params, grads, 2.0);
-            window.accumulate_sum(params, grads, 1.0);
-          }
-        }) == 0);
+  check_no_allocation_in_steady_state(params, grads);
 }
 
 }  // namespace

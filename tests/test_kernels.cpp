@@ -26,28 +26,28 @@ using gradaccum::test::same_bits;
 
 namespace {
 
-/// Reference decoding of binary16 (sign, 5-bit exponent biased by 15, 10-bit mantissa), built
-/// from the definition with ldexp. Returns the float bits; NaN keeps its payload in the top bits.
-std::uint32_t reference_f16_to_float_bits(std::uint16_t bits) {
+/// Reference decoding of a 16-bit float with a sign bit, `mantissa_bits` of mantissa and the
+/// other bits exponent (biased by half its range), built from the definition with ldexp:
+/// normals are (2^m + mantissa) · 2^(exponent - bias - m), subnormals mantissa · 2^(1 - bias - m).
+/// Returns the float bits; NaN keeps its payload in the top bits.
+template <int mantissa_bits>
+std::uint32_t reference_to_float_bits(std::uint16_t bits) {
+  constexpr int exponent_mask = (1 << (15 - mantissa_bits)) - 1;
+  constexpr int bias = exponent_mask / 2;
+  constexpr std::uint32_t implicit_one = 1U << mantissa_bits;
   const std::uint32_t sign = (bits & 0x8000U) != 0 ? 0x80000000U : 0U;
-  const int exponent = (bits >> 10) & 0x1f;
-  const std::uint32_t mantissa = bits & 0x3ffU;
-  if (exponent == 0x1f) return sign | 0x7f800000U | (mantissa << 13);
-  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)
-                                        : std::ldexp(static_cast<float>(1024 + mantissa), exponent - 25);
+  const int exponent = (bits >> mantissa_bits) & exponent_mask;
+  const std::uint32_t mantissa = bits & (implicit_one - 1);
+  if (exponent == exponent_mask) return sign | 0x7f800000U | (mantissa << (23 - mantissa_bits));
+  const float magnitude =
+      exponent == 0 ? std::ldexp(static_cast<float>(mantissa), 1 - bias - mantissa_bits)
+                    : std::ldexp(static_cast<float>(implicit_one + mantissa), exponent - bias - mantissa_bits);
   return sign | std::bit_cast<std::uint32_t>(magnitude);
 }
 
-/// Reference decoding of bfloat16 (sign, 8-bit exponent biased by 127, 7-bit mantissa).
-std::uint32_t reference_bf16_to_float_bits(std::uint16_t bits) {
-  const std::uint32_t sign = (bits & 0x8000U) != 0 ? 0x80000000U : 0U;
-  const int exponent = (bits >> 7) & 0xff;
-  const std::uint32_t mantissa = bits & 0x7fU;
-  if (exponent == 0xff) return sign | 0x7f800000U | (mantissa << 16);
-  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -133)
-                                        : std::ldexp(static_cast<float>(128 + mantissa), exponent - 134);
-  return sign | std::bit_cast<std::uint32_t>(magnitude);
-}
+/// binary16 (5-bit exponent biased by 15) and bfloat16 (8-bit exponent biased by 127).
+constexpr auto reference_f16_to_float_bits = reference_to_float_bits<10>;
+constexpr auto reference_bf16_to_float_bits = reference_to_float_bits<7>;
 
 /// Above the threshold at which kernels may split a range across threads, and not a multiple of 64.
 constexpr std::size_t large_count = (std::size_t{1} << 18) + 37;

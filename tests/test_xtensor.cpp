@@ -1,7 +1,7 @@
 // What only the xtensor backend promises: its tensor and view types, in-place views of caller
 // memory, its 16-bit storage types, row-major records of xtensor storage of any rank. The
 // accumulation contract, agreement with the other backends and allocation behaviour run against
-// xtensor in conformance.cpp and test_alloc_failure.cpp.
+// xtensor in the conformance suite (conformance.hpp) and test_alloc_failure.cpp.
 //
 // Built twice: plainly, and with XTENSOR_USE_XSIMD against xtensor's 0.26+ header layout
 // (GRADACCUM_TEST_XSIMD_FOLDERED), so both configurations pass the same tests.

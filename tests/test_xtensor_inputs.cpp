@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
-#include <cstring>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -32,6 +31,7 @@
 #include <gradaccum/gradaccum.hpp>
 
 #include "alloc_failure.hpp"
+#include "input_checks.hpp"
 
 namespace gradaccum::test {
 namespace {
@@ -51,64 +51,25 @@ std::vector<float> row_major_of(const E& e) {
   return {a.data(), a.data() + a.size()};
 }
 
-std::vector<float> expected_mean(const std::vector<float>& g) {
-  std::vector<float> out;
-  for (const float x : g) {
-    float p = 0.0F + 1.0F * x;
-    p = p + 2.0F * x;
-    out.push_back(p / 2.0F / 5.0F);
-  }
-  return out;
-}
-
-/// Sum (weight 3) then mean (weight 2) of one gradient under loss scale 2, finished.
-std::vector<float> window_result(const parameter_set<B>& params, const gradients_params<B>& grads,
-                                 const std::vector<float>& g) {
-  weighted_gradients_accumulator<B> window(float_dtype::f32, 2.0);
-  window.accumulate_sum(params, grads, 3.0);
-  const std::span<const float> pending = window.pending().values<float>("p");
-  CHECK(std::vector<float>(pending.begin(), pending.end()) == g);
-  window.accumulate_mean(params, grads, 2.0);
-  const auto result = window.finish_mean(params);
-  const std::span<const float> values = result.gradients.values<float>("p");
-  return {values.begin(), values.end()};
-}
-
-template <class P, class G>
-void check_kind(const P& param, G&& grad, const tensor_shape& shape, const std::vector<float>& g) {
-  parameter_set<B> params;
-  params.add("p", param);
-  CHECK(params[0].shape == shape);
-  gradients_params<B> grads;
-  grads.insert("p", std::forward<G>(grad));
-  const std::vector<float> ours = window_result(params, grads, g);
-  CHECK(ours == expected_mean(g));
-
-  gradients_params<B> plain;
-  plain.insert("p", B::from_row_major<float>(g, shape, {}));
-  const std::vector<float> reference = window_result(params, plain, g);
-  CHECK(std::memcmp(ours.data(), reference.data(), ours.size() * sizeof(float)) == 0);
-}
-
 TEST_CASE("containers of any type, rank and layout are read in place") {
   const xt::xarray<float> a = counting({2, 3});
   const auto g = row_major_of(a);
-  check_kind(a, a, tensor_shape{2, 3}, g);
+  check_kind<B>(a, a, tensor_shape{2, 3}, g);
   const xt::xtensor<float, 2> t = a;
-  check_kind(t, t, tensor_shape{2, 3}, g);
+  check_kind<B>(t, t, tensor_shape{2, 3}, g);
   const xt::xtensor_fixed<float, xt::xshape<2, 3>> f = a;
-  check_kind(f, f, tensor_shape{2, 3}, g);
+  check_kind<B>(f, f, tensor_shape{2, 3}, g);
   const xt::xarray<float, xt::layout_type::column_major> cm = a;
-  check_kind(cm, cm, tensor_shape{2, 3}, g);
+  check_kind<B>(cm, cm, tensor_shape{2, 3}, g);
   const xt::xtensor<float, 2, xt::layout_type::column_major> tcm = a;
-  check_kind(tcm, tcm, tensor_shape{2, 3}, g);
+  check_kind<B>(tcm, tcm, tensor_shape{2, 3}, g);
   const xt::xtensor<float, 1> bias = {0.1F, 0.2F, 0.3F};
-  check_kind(bias, bias, tensor_shape{3}, {0.1F, 0.2F, 0.3F});
+  check_kind<B>(bias, bias, tensor_shape{3}, {0.1F, 0.2F, 0.3F});
   const xt::xarray<float> kernel = counting({2, 3, 4, 5});
   const xt::xtensor<float, 4, xt::layout_type::column_major> kernel_cm = kernel;
-  check_kind(kernel, kernel_cm, tensor_shape{2, 3, 4, 5}, row_major_of(kernel));
+  check_kind<B>(kernel, kernel_cm, tensor_shape{2, 3, 4, 5}, row_major_of(kernel));
   const xt::xarray<float> scalar = 0.5F;
-  check_kind(scalar, scalar, tensor_shape{}, {0.5F});
+  check_kind<B>(scalar, scalar, tensor_shape{}, {0.5F});
 }
 
 TEST_CASE("adaptors of const and mutable memory, views, transposes and strided views") {
@@ -117,45 +78,45 @@ TEST_CASE("adaptors of const and mutable memory, views, transposes and strided v
     std::vector<float> buffer{0.5F, 1.5F, 2.5F, 3.5F, 4.5F, 5.5F};
     const std::vector<std::size_t> shape{2, 3};
     auto mutable_memory = xt::adapt(buffer.data(), buffer.size(), xt::no_ownership(), shape);
-    check_kind(mutable_memory, mutable_memory, tensor_shape{2, 3}, buffer);
+    check_kind<B>(mutable_memory, mutable_memory, tensor_shape{2, 3}, buffer);
     const auto const_memory =
         xt::adapt(static_cast<const float*>(buffer.data()), buffer.size(), xt::no_ownership(), shape);
-    check_kind(const_memory, const_memory, tensor_shape{2, 3}, buffer);
+    check_kind<B>(const_memory, const_memory, tensor_shape{2, 3}, buffer);
     auto of_vector = xt::adapt(buffer, shape);
-    check_kind(of_vector, of_vector, tensor_shape{2, 3}, buffer);
+    check_kind<B>(of_vector, of_vector, tensor_shape{2, 3}, buffer);
   }
   SUBCASE("a 2 x 3 view of a 4 x 5 array: element (0, 2) is big(1, 3)") {
     const auto view = xt::view(big, xt::range(1, 3), xt::range(1, 4));
     const auto g = row_major_of(view);
     CHECK(g[2] == big(1, 3));
-    check_kind(view, view, tensor_shape{2, 3}, g);
+    check_kind<B>(view, view, tensor_shape{2, 3}, g);
     const xt::xarray<float, xt::layout_type::column_major> big_cm = big;
-    check_kind(view, xt::view(big_cm, xt::range(1, 3), xt::range(1, 4)), tensor_shape{2, 3}, g);
-    check_kind(xt::view(big, 2), xt::view(big, 2), tensor_shape{5}, row_major_of(xt::view(big, 2)));
-    check_kind(xt::view(big, xt::all(), 1), xt::view(big, xt::all(), 1), tensor_shape{4},
-               row_major_of(xt::view(big, xt::all(), 1)));
+    check_kind<B>(view, xt::view(big_cm, xt::range(1, 3), xt::range(1, 4)), tensor_shape{2, 3}, g);
+    check_kind<B>(xt::view(big, 2), xt::view(big, 2), tensor_shape{5}, row_major_of(xt::view(big, 2)));
+    check_kind<B>(xt::view(big, xt::all(), 1), xt::view(big, xt::all(), 1), tensor_shape{4},
+                  row_major_of(xt::view(big, xt::all(), 1)));
   }
   SUBCASE("a transpose: element (0, 2) of the transpose of a 3 x 2 array is m(2, 0)") {
     const xt::xarray<float> m = counting({3, 2});
     const auto g = row_major_of(xt::transpose(m));
     CHECK(g[2] == m(2, 0));
-    check_kind(xt::transpose(m), xt::transpose(m), tensor_shape{2, 3}, g);
+    check_kind<B>(xt::transpose(m), xt::transpose(m), tensor_shape{2, 3}, g);
     const xt::xarray<float> kernel = counting({2, 3, 4, 5});
-    check_kind(xt::transpose(kernel), xt::transpose(kernel), tensor_shape{5, 4, 3, 2},
-               row_major_of(xt::transpose(kernel)));
+    check_kind<B>(xt::transpose(kernel), xt::transpose(kernel), tensor_shape{5, 4, 3, 2},
+                  row_major_of(xt::transpose(kernel)));
   }
   SUBCASE("strided views, with steps and negative steps") {
     const auto stepped = xt::strided_view(big, {xt::range(0, 4, 2), xt::range(4, xt::placeholders::_, -2)});
-    check_kind(stepped, stepped, tensor_shape{2, 3}, row_major_of(stepped));
+    check_kind<B>(stepped, stepped, tensor_shape{2, 3}, row_major_of(stepped));
     const auto reversed = xt::view(big, xt::range(3, xt::placeholders::_, -1), xt::all());
-    check_kind(reversed, reversed, tensor_shape{4, 5}, row_major_of(reversed));
+    check_kind<B>(reversed, reversed, tensor_shape{4, 5}, row_major_of(reversed));
   }
 }
 
 TEST_CASE("expressions are evaluated once, at insert") {
   xt::xarray<float> h = counting({2, 3});
-  check_kind(h, 2.0F * h, tensor_shape{2, 3}, row_major_of(2.0F * h));
-  check_kind(h, xt::ones<float>({2, 3}), tensor_shape{2, 3}, std::vector<float>(6, 1.0F));
+  check_kind<B>(h, 2.0F * h, tensor_shape{2, 3}, row_major_of(2.0F * h));
+  check_kind<B>(h, xt::ones<float>({2, 3}), tensor_shape{2, 3}, std::vector<float>(6, 1.0F));
 
   parameter_set<B> params;
   params.add("p", h + 1.0F);
@@ -259,21 +220,8 @@ TEST_CASE("a gradient of another shape is refused, and nothing changes") {
   weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
   window.accumulate_sum(params, grads, 1.0);
   const weighted_gradients_record before = window.try_to_record();
-  const auto refused = [&](const char* id, auto&& gradient) {
-    CAPTURE(id);
-    gradients_params<B> wrong = grads;
-    wrong.insert_or_assign(id, gradient);
-    try {
-      window.accumulate_sum(params, wrong, 1.0);
-      FAIL("accepted");
-    } catch (const error& e) {
-      CHECK(e.code() == errc::parameter_mismatch);
-      CHECK(e.param_id() == id);
-    }
-    const weighted_gradients_record after = window.try_to_record();
-    CHECK(after.state.microbatches == before.state.microbatches);
-    CHECK(std::get<std::vector<float>>(after.gradients.tensors[1].values) ==
-          std::get<std::vector<float>>(before.gradients.tensors[1].values));
+  const auto refused = [&](const char* id, const auto& gradient) {
+    check_refused(window, params, grads, before, 1, id, gradient);
   };
   refused("w", xt::transpose(xt::view(big, xt::range(0, 2), xt::range(0, 3))));
   refused("w", xt::view(big, 0, xt::range(0, 6)));
@@ -294,14 +242,7 @@ TEST_CASE("accumulating in-place views allocates nothing in steady state") {
   grads.insert("view", view);
   grads.insert("transpose", transposed);
   grads.insert("kernel", kernel);
-  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
-  window.accumulate_mean(params, grads, 2.0);  // lays out the buffer
-  CHECK(allocations_of([&] {
-          for (int i = 0; i < 3; ++i) {
-            window.accumulate_mean(params, grads, 2.0);
-            window.accumulate_sum(params, grads, 1.0);
-          }
-        }) == 0);
+  check_no_allocation_in_steady_state(params, grads);
 }
 
 }  // namespace
