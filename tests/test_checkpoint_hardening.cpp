@@ -29,6 +29,7 @@
 #include <gradaccum/checkpoint.hpp>
 #include <gradaccum/gradaccum.hpp>
 
+#include "replaced_new.hpp"
 #include "test_checkpoint_fixture.hpp"
 #include "test_checkpoint_support.hpp"
 #include "test_helpers.hpp"
@@ -39,36 +40,20 @@ namespace {
 std::atomic<bool> tracking{false};
 std::atomic<std::size_t> largest_allocation{0};
 std::atomic<std::size_t> allocated_bytes{0};
+}  // namespace
 
-void* allocate(std::size_t size) {
+void* replaced_new::allocate(std::size_t size) {
   if (tracking.load(std::memory_order_relaxed)) {
     allocated_bytes += size;
     std::size_t seen = largest_allocation.load(std::memory_order_relaxed);
     while (size > seen && !largest_allocation.compare_exchange_weak(seen, size)) {
     }
   }
-  if (void* memory = std::malloc(size == 0 ? 1 : size)) return memory;
-  throw std::bad_alloc();
+  return malloc_or_throw(size);
 }
-}  // namespace
-
-void* operator new(std::size_t size) {
-  return allocate(size);
-}
-void* operator new[](std::size_t size) {
-  return allocate(size);
-}
-void operator delete(void* memory) noexcept {
-  std::free(memory);
-}
-void operator delete[](void* memory) noexcept {
-  std::free(memory);
-}
-void operator delete(void* memory, std::size_t /*size*/) noexcept {
-  std::free(memory);
-}
-void operator delete[](void* memory, std::size_t /*size*/) noexcept {
-  std::free(memory);
+// Over-aligned allocations are not recorded, as before (only the plain forms were replaced).
+void* replaced_new::allocate_aligned(std::size_t size, std::align_val_t alignment) {
+  return aligned_alloc_or_throw(size, alignment);
 }
 
 using namespace gradaccum;
