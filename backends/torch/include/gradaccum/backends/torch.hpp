@@ -452,4 +452,3 @@ inline void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& n
 }
 
 }  // namespace gradaccum
-
