@@ -2,9 +2,10 @@
 /// @file
 /// @brief Elementwise kernels over contiguous host memory, shared by every CPU backend.
 ///
-/// A backend whose tensors live in contiguous host memory (Eigen, xtensor, a `std::vector`)
-/// implements its `add_scaled`, `divide`, `all_finite` and `convert` by calling these, and
-/// gets the bit-level 16-bit conversion and the optional OpenMP split for free.
+/// A backend whose tensors live in host memory (Eigen, xtensor, a `std::vector`) implements its
+/// `add_scaled` and `convert` by calling these (`gradaccum::add_scaled` of a `strided_view` picks
+/// the contiguous or strided one), and gets the bit-level 16-bit conversion and the optional
+/// OpenMP split for free; the library uses the rest on its own buffer.
 ///
 /// The arithmetic is fixed by the accumulation contract, so it is written so the compiler
 /// can neither contract it into an FMA nor reassociate it: each element is converted to the
