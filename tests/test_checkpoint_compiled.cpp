@@ -17,24 +17,17 @@
 #include <gradaccum/checkpoint.hpp>
 #include <gradaccum/gradaccum.hpp>
 
+#include "fixtures/fixture_window.hpp"
+
 #if !defined(GRADACCUM_SEPARATE_COMPILATION) || defined(CEREAL_CEREAL_HPP_)
 #error "this test compiles against the checkpoint library's declarations, without cereal"
 #endif
 
 using namespace gradaccum;
+using gradaccum::test::fixture_window;
 namespace fs = std::filesystem;
 
 namespace {
-
-/// What tests/fixtures/window_v5.* hold (tests/fixtures/make_fixtures.cpp).
-weighted_gradients_record fixture_window() {
-  weighted_gradients_record r;
-  r.state = {float_dtype::f32, 1024.0, 320.5, 3};
-  r.gradients.tensors.push_back({"decoder.bias", float_dtype::f32, {1, 3}, std::vector<float>{0.5F, -1.25F, 3.0e-7F}});
-  r.gradients.tensors.push_back(
-      {"encoder.weight", float_dtype::f32, {2, 3}, std::vector<float>{1, 2, 3, -4, 5.5F, -1.2345678e-5F}});
-  return r;
-}
 
 std::string read_bytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

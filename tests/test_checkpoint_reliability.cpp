@@ -30,6 +30,7 @@
 #include <gradaccum/checkpoint.hpp>
 #include <gradaccum/gradaccum.hpp>
 
+#include "fixtures/fixture_window.hpp"
 #include "test_checkpoint_support.hpp"
 
 using namespace gradaccum;
@@ -37,17 +38,6 @@ using namespace gradaccum::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-/// The window the fixtures (tests/fixtures/window_v5.*, written by make_fixtures.cpp, and
-/// window_v3.bin of format 3) were written from.
-weighted_gradients_record fixture_window() {
-  weighted_gradients_record r;
-  r.state = {float_dtype::f32, 1024.0, 320.5, 3};
-  r.gradients.tensors.push_back({"decoder.bias", float_dtype::f32, {1, 3}, std::vector<float>{0.5F, -1.25F, 3.0e-7F}});
-  r.gradients.tensors.push_back(
-      {"encoder.weight", float_dtype::f32, {2, 3}, std::vector<float>{1, 2, 3, -4, 5.5F, -1.2345678e-5F}});
-  return r;
-}
 
 std::string replace_first(std::string text, const std::string& from, const std::string& to) {
   const std::size_t at = text.find(from);

@@ -161,6 +161,30 @@ struct flat_storage {
   }
   [[nodiscard]] std::size_t element_size() const noexcept { return dtype == float_dtype::f64 ? 8 : 4; }
 
+  /// Every value of `storage` as W, empty without storage: what a result's `flat<W>()` and a
+  /// shard's `values<W>()` give. `holder` names them in the error ("values of these gradients
+  /// are F64, ...").
+  /// @throws error(errc::invalid_dtype) when W is not the storage's type.
+  template <class W>
+  static std::span<W> all_values(const flat_storage* storage, std::string_view holder) {
+    require_type<W>(storage, holder);
+    if (storage == nullptr) return {};
+    return {storage->data<W>(), storage->elements};
+  }
+  template <class W>
+  static void require_type(const flat_storage* storage, std::string_view holder) {
+    static_assert(std::is_same_v<W, float> || std::is_same_v<W, double>, "results hold float or double values");
+    if (storage != nullptr && dtype_of<W> != storage->dtype) [[unlikely]] {
+      fail(errc::invalid_dtype, "values of " + std::string(holder) + " are " + std::string(to_string(storage->dtype)) +
+                                    ", asked for as " + std::string(to_string(dtype_of<W>)) +
+                                    " (use the element type of dtype()).");
+    }
+  }
+  /// Whether segment `position` of `storage` is present (false without storage).
+  static bool is_present(const flat_storage* storage, std::size_t position) noexcept {
+    return storage != nullptr && position < storage->present.size() && storage->present[position] != 0;
+  }
+
   /// Zeroes the whole buffer and marks every segment absent: a result's mutable views (`flat<W>()`
   /// over absent segments and padding too) may have written anywhere in it, so a buffer taken back
   /// from one is zeroed whole (one pass, about what zeroing its present segments costs).
@@ -276,9 +300,7 @@ class flat_gradients {
   /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
   [[nodiscard]] std::span<const W> flat() const {
-    require_type<W>();
-    if (!storage_) return {};
-    return {storage_->data<W>(), storage_->elements};
+    return detail::flat_storage::all_values<W>(storage_.get(), "these gradients");
   }
   /// @brief Mutable access for in-place steps on the result (clipping, weight decay, a
   /// reduction), absent segments and padding included: whatever is written there is zeroed again
@@ -286,16 +308,14 @@ class flat_gradients {
   /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
   [[nodiscard]] std::span<W> flat() {
-    require_type<W>();
-    if (!storage_) return {};
-    return {storage_->data<W>(), storage_->elements};
+    return detail::flat_storage::all_values<W>(storage_.get(), "these gradients");
   }
 
   /// @brief The segments of every parameter (present or not); null before anything was laid out.
   [[nodiscard]] const flat_layout<B>* layout() const noexcept { return layout_.get(); }
   /// @brief Whether the parameter at `position` of `layout()` is present.
   [[nodiscard]] bool is_present(std::size_t position) const noexcept {
-    return storage_ && position < storage_->present.size() && storage_->present[position] != 0;
+    return detail::flat_storage::is_present(storage_.get(), position);
   }
 
   /// @brief Iterates the present parameters in parameter order (the same on every rank of a
@@ -431,12 +451,7 @@ class flat_gradients {
   /// holds values of no type, so any W finds nothing there.
   template <class W>
   void require_type() const {
-    static_assert(std::is_same_v<W, float> || std::is_same_v<W, double>, "results hold float or double values");
-    if (storage_ && dtype_of<W> != storage_->dtype) [[unlikely]] {
-      detail::fail(errc::invalid_dtype, "these gradients hold " + std::string(to_string(storage_->dtype)) +
-                                            " values; they were asked for as " + std::string(to_string(dtype_of<W>)) +
-                                            " (use the element type of dtype()).");
-    }
+    detail::flat_storage::require_type<W>(storage_.get(), "these gradients");
   }
 
   template <class W>

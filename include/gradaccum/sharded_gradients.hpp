@@ -91,40 +91,26 @@ class sharded_gradients {
   /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
   [[nodiscard]] std::span<const W> values() const {
-    require_type<W>();
-    if (!storage_) return {};
-    return {storage_->data<W>(), storage_->elements};
+    return detail::flat_storage::all_values<W>(storage_.get(), "this shard");
   }
   /// @brief Mutable values, for in-place steps (clipping).
   /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
   [[nodiscard]] std::span<W> values() {
-    require_type<W>();
-    if (!storage_) return {};
-    return {storage_->data<W>(), storage_->elements};
+    return detail::flat_storage::all_values<W>(storage_.get(), "this shard");
   }
 
   /// @brief The layout of the whole window (every parameter, present or not); null when empty.
   [[nodiscard]] const flat_layout<B>* layout() const noexcept { return layout_.get(); }
   /// @brief Whether the parameter at `position` of `layout()` is present (on any rank).
   [[nodiscard]] bool is_present(std::size_t position) const noexcept {
-    return storage_ && position < storage_->present.size() && storage_->present[position] != 0;
+    return detail::flat_storage::is_present(storage_.get(), position);
   }
   /// @brief The present parameters' parts in this shard, in parameter order.
   [[nodiscard]] std::span<const shard_piece> pieces() const noexcept { return pieces_; }
 
  private:
   friend struct detail::shard_access;
-
-  template <class W>
-  void require_type() const {
-    static_assert(std::is_same_v<W, float> || std::is_same_v<W, double>, "shards hold float or double values");
-    if (storage_ && dtype_of<W> != storage_->dtype) [[unlikely]] {
-      detail::fail(errc::invalid_dtype, "this shard holds " + std::string(to_string(storage_->dtype)) +
-                                            " values; it was asked for them as " + std::string(to_string(dtype_of<W>)) +
-                                            " (use the element type of dtype()).");
-    }
-  }
 
   std::shared_ptr<const flat_layout<B>> layout_;
   std::shared_ptr<detail::flat_storage> storage_;  // range_.size values; presence per layout position
