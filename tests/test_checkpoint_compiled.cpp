@@ -65,9 +65,11 @@ struct scratch_dir {
 
 TEST_CASE("the compiled library reads and writes the fixtures' bytes in every format") {
   const auto params = fixture_parameters();
-  for (const auto& [format, extension] :
+  for (const auto& format_and_extension :
        {std::pair{checkpoint_format::binary, ".bin"}, std::pair{checkpoint_format::portable_binary, ".pbin"},
         std::pair{checkpoint_format::json, ".json"}, std::pair{checkpoint_format::xml, ".xml"}}) {
+    const checkpoint_format format = format_and_extension.first;
+    const std::string extension = format_and_extension.second;  // a variable doctest's CAPTURE can take
     CAPTURE(extension);
     const fs::path path = fixture(extension);
     CHECK(checkpoint_version(path) == record_format_version);

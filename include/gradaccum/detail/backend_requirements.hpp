@@ -11,9 +11,7 @@
 #include "gradaccum/shape.hpp"
 #include "gradaccum/type_list.hpp"
 
-namespace gradaccum {
-
-namespace detail {
+namespace gradaccum::detail {
 
 template <class B>
 concept has_views = requires { typename B::template view<float>; };
@@ -71,6 +69,4 @@ struct all_row_major_io;
 template <class B, class... Ts>
 struct all_row_major_io<B, type_list<Ts...>> : std::bool_constant<(row_major_io<B, Ts> && ...)> {};
 
-}  // namespace detail
-
-}  // namespace gradaccum
+}  // namespace gradaccum::detail

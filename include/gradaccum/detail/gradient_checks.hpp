@@ -11,9 +11,7 @@
 #include "gradaccum/error.hpp"
 #include "gradaccum/parameter_set.hpp"
 
-namespace gradaccum {
-
-namespace detail {
+namespace gradaccum::detail {
 
 template <class B>
 [[noreturn]] void fail_unknown(std::string_view id) {
@@ -73,6 +71,4 @@ inline void require_scalar(double value, float_dtype dtype, bool divisor) {
   }
 }
 
-}  // namespace detail
-
-}  // namespace gradaccum
+}  // namespace gradaccum::detail

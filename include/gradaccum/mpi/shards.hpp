@@ -25,8 +25,6 @@
 #include "gradaccum/sharded_gradients.hpp"
 #include "gradaccum/weighted_gradients_accumulator.hpp"
 
-namespace gradaccum {
-
 // ---------------------------------------------------------------------------------------------
 // The sharded reduction.
 //
@@ -41,7 +39,7 @@ namespace gradaccum {
 // of the shard.
 // ---------------------------------------------------------------------------------------------
 
-namespace detail::mpi {
+namespace gradaccum::detail::mpi {
 
 struct comm_place {
   int rank = 0;
@@ -146,6 +144,4 @@ inline int int_count(std::size_t count, const char* what) {
   return static_cast<int>(count);
 }
 
-}  // namespace detail::mpi
-
-}  // namespace gradaccum
+}  // namespace gradaccum::detail::mpi
