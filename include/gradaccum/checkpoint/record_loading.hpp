@@ -39,10 +39,6 @@
 #include "gradaccum/records.hpp"
 #include "gradaccum/shape.hpp"
 
-namespace cereal {
-class XMLInputArchive;  // only compared against: its integer parsing needs a stricter path
-}  // namespace cereal
-
 namespace gradaccum::detail {
 
 // ---- Loading into a sink -----------------------------------------------------------------------

@@ -37,10 +37,6 @@
 #include "gradaccum/records.hpp"
 #include "gradaccum/shape.hpp"
 
-namespace cereal {
-class XMLInputArchive;  // only compared against: its integer parsing needs a stricter path
-}  // namespace cereal
-
 namespace gradaccum::detail {
 
 // ---- The values block of a binary gradients record ---------------------------------------------
