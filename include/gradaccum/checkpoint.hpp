@@ -231,9 +231,6 @@ namespace detail {
 /// may.
 enum class loss_scale_part : std::uint8_t { refused, required, optional };
 
-/// The record a file read into a `tensor_sink` holds.
-enum class sink_record : std::uint8_t { window, gradients };
-
 // The format and file code the templates below call: one overload per record type (and per
 // view an accumulator saves from), so nothing in it depends on a backend or a template argument
 // (see GRADACCUM_SEPARATE_COMPILATION).
@@ -272,10 +269,14 @@ GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& p
 GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   weighted_accumulation_state& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale);
-/// Reads the file into `sink` (an accumulator's restorer), which checks every tensor.
-GRADACCUM_CHECKPOINT_INLINE void load_sink_file(const std::filesystem::path& path, checkpoint_format format,
-                                                sink_record record, tensor_sink& sink, loss_scale_part part,
-                                                std::optional<dynamic_loss_scale_state>* scale);
+/// Read a file of a window's (or a gradients) record into `sink` (an accumulator's restorer),
+/// which checks every tensor.
+GRADACCUM_CHECKPOINT_INLINE void load_window_file(const std::filesystem::path& path, checkpoint_format format,
+                                                  tensor_sink& sink, loss_scale_part part,
+                                                  std::optional<dynamic_loss_scale_state>* scale);
+GRADACCUM_CHECKPOINT_INLINE void load_gradients_file(const std::filesystem::path& path, checkpoint_format format,
+                                                     tensor_sink& sink, loss_scale_part part,
+                                                     std::optional<dynamic_loss_scale_state>* scale);
 
 inline checkpoint_format resolve_format(const std::filesystem::path& path, std::optional<checkpoint_format> format) {
   return format ? *format : checkpoint_format_for(path);
@@ -296,14 +297,15 @@ template <class Accumulator, class B>
 void load_accumulator(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
                       dynamic_loss_scale* scaler, std::optional<checkpoint_format> format) {
   using restorer = typename Accumulator::restorer;
-  constexpr sink_record kind = std::is_same_v<decltype(accumulator.try_to_record()), weighted_gradients_record>
-                                   ? sink_record::window
-                                   : sink_record::gradients;
   restorer restoring(accumulator, params);
   tensor_sink_of<restorer> sink(restoring);
   std::optional<dynamic_loss_scale_state> state;
-  load_sink_file(path, resolve_format(path, format), kind, sink,
-                 scaler != nullptr ? loss_scale_part::required : loss_scale_part::refused, &state);
+  const loss_scale_part part = scaler != nullptr ? loss_scale_part::required : loss_scale_part::refused;
+  if constexpr (std::is_same_v<decltype(accumulator.try_to_record()), weighted_gradients_record>) {
+    load_window_file(path, resolve_format(path, format), sink, part, &state);
+  } else {
+    load_gradients_file(path, resolve_format(path, format), sink, part, &state);
+  }
   std::optional<dynamic_loss_scale> restored;
   if (scaler != nullptr) restored.emplace(scaler->options(), *state);  // an unreachable state throws here
   std::move(restoring).commit();                                       // neither of these two can throw

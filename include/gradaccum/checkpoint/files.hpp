@@ -420,14 +420,14 @@ void parse_any(std::string_view bytes, checkpoint_format format, R& record) {
              [&](sized_streambuf& source, std::string_view text) { read_into<R>(source, text, format, record); });
 }
 
-template <class R>
-void load_any_file(const std::filesystem::path& path, checkpoint_format format, R& record, loss_scale_part part,
+/// Reads the file at `path`, holding a record of type R, into `into`: that record, or a sink target.
+template <class R, class Into>
+void load_any_file(const std::filesystem::path& path, checkpoint_format format, Into& into, loss_scale_part part,
                    std::optional<dynamic_loss_scale_state>* scale) {
   read_file(path, format, [&](sized_streambuf& source, std::string_view text) {
-    read_into<R>(source, text, format, record, part, scale);
+    read_into<R>(source, text, format, into, part, scale);
   });
 }
-
 GRADACCUM_CHECKPOINT_INLINE std::string serialize_record(const weighted_gradients_record& record,
                                                          checkpoint_format format) {
   return serialize_any(record, format);
@@ -482,31 +482,30 @@ GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& p
 GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   weighted_gradients_record& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale) {
-  load_any_file(path, format, record, part, scale);
+  load_any_file<weighted_gradients_record>(path, format, record, part, scale);
 }
 GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   gradients_params_record& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale) {
-  load_any_file(path, format, record, part, scale);
+  load_any_file<gradients_params_record>(path, format, record, part, scale);
 }
 GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   weighted_accumulation_state& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale) {
-  load_any_file(path, format, record, part, scale);
+  load_any_file<weighted_accumulation_state>(path, format, record, part, scale);
 }
 
-GRADACCUM_CHECKPOINT_INLINE void load_sink_file(const std::filesystem::path& path, checkpoint_format format,
-                                                sink_record record, tensor_sink& sink, loss_scale_part part,
-                                                std::optional<dynamic_loss_scale_state>* scale) {
-  read_file(path, format, [&](sized_streambuf& source, std::string_view text) {
-    if (record == sink_record::window) {
-      weighted_into<tensor_sink> into{&sink};
-      read_into<weighted_gradients_record>(source, text, format, into, part, scale);
-    } else {
-      gradients_into<tensor_sink> into{&sink};
-      read_into<gradients_params_record>(source, text, format, into, part, scale);
-    }
-  });
+GRADACCUM_CHECKPOINT_INLINE void load_window_file(const std::filesystem::path& path, checkpoint_format format,
+                                                  tensor_sink& sink, loss_scale_part part,
+                                                  std::optional<dynamic_loss_scale_state>* scale) {
+  weighted_into<tensor_sink> into{&sink};
+  load_any_file<weighted_gradients_record>(path, format, into, part, scale);
+}
+GRADACCUM_CHECKPOINT_INLINE void load_gradients_file(const std::filesystem::path& path, checkpoint_format format,
+                                                     tensor_sink& sink, loss_scale_part part,
+                                                     std::optional<dynamic_loss_scale_state>* scale) {
+  gradients_into<tensor_sink> into{&sink};
+  load_any_file<gradients_params_record>(path, format, into, part, scale);
 }
 
 }  // namespace detail
