@@ -86,8 +86,7 @@ std::string layout_name(std::size_t count) {
 std::filesystem::path file_for(const std::string& stem, checkpoint_format format) {
   const char* extension = format == checkpoint_format::binary            ? ".bin"
                           : format == checkpoint_format::portable_binary ? ".pbin"
-                          : format == checkpoint_format::json            ? ".json"
-                                                                         : ".xml";
+                                                                         : ".json";
   return scratch_directory() / (stem + extension);
 }
 

@@ -1,12 +1,17 @@
 #pragma once
 /// @file
-/// @brief Shared by the checkpoint tests: the archives of each format, plain `archive(value)`
-/// round trips, and how doctest prints a `checkpoint_format`.
+/// @brief Shared by the checkpoint tests: cereal's archives (those of each checkpoint format, and
+/// its XML archive, which records serialize through as through any cereal archive), plain
+/// `archive(value)` round trips, and how doctest prints a `checkpoint_format`.
 
 #include <array>
 #include <sstream>
 #include <string>
 
+#include <cereal/archives/binary.hpp>
+#include <cereal/archives/json.hpp>
+#include <cereal/archives/portable_binary.hpp>
+#include <cereal/archives/xml.hpp>
 #include <doctest/doctest.h>
 
 #include <gradaccum/checkpoint.hpp>
@@ -24,25 +29,31 @@ inline std::string extension_of(checkpoint_format format) {
     case checkpoint_format::binary: return ".bin";
     case checkpoint_format::portable_binary: return ".pbin";
     case checkpoint_format::json: return ".json";
-    case checkpoint_format::xml: return ".xml";
   }
   return "";
 }
 
-inline constexpr std::array<checkpoint_format, 4> all_formats = {
-    checkpoint_format::binary, checkpoint_format::portable_binary, checkpoint_format::json, checkpoint_format::xml};
+inline constexpr std::array<checkpoint_format, 3> all_formats = {checkpoint_format::binary,
+                                                                checkpoint_format::portable_binary,
+                                                                checkpoint_format::json};
 
-/// @brief The input and output archive of one checkpoint format.
-template <checkpoint_format F>
+/// @brief cereal's input and output archive of one checkpoint format.
+template <checkpoint_format F, class Input, class Output>
 struct archives {
   static constexpr checkpoint_format format = F;
-  using input = typename detail::archives_of<F>::input;
-  using output = typename detail::archives_of<F>::output;
+  using input = Input;
+  using output = Output;
 };
-using binary_archives = archives<checkpoint_format::binary>;
-using portable_binary_archives = archives<checkpoint_format::portable_binary>;
-using json_archives = archives<checkpoint_format::json>;
-using xml_archives = archives<checkpoint_format::xml>;
+using binary_archives =
+    archives<checkpoint_format::binary, cereal::BinaryInputArchive, cereal::BinaryOutputArchive>;
+using portable_binary_archives = archives<checkpoint_format::portable_binary, cereal::PortableBinaryInputArchive,
+                                          cereal::PortableBinaryOutputArchive>;
+using json_archives = archives<checkpoint_format::json, cereal::JSONInputArchive, cereal::JSONOutputArchive>;
+/// cereal's XML archives: no checkpoint format, but records serialize through them too.
+struct xml_archives {
+  using input = cereal::XMLInputArchive;
+  using output = cereal::XMLOutputArchive;
+};
 
 /// @brief What a user writes: `archive(value)` with a plain cereal archive.
 template <class Archives, class T>
@@ -71,7 +82,9 @@ TYPE_TO_STRING(gradaccum::test::portable_binary_archives);
 TYPE_TO_STRING(gradaccum::test::json_archives);
 TYPE_TO_STRING(gradaccum::test::xml_archives);
 
-/// @brief Every archive, for `TEST_CASE_TEMPLATE`.
-#define GRADACCUM_TEST_ARCHIVES                                                                                \
-  gradaccum::test::binary_archives, gradaccum::test::portable_binary_archives, gradaccum::test::json_archives, \
-      gradaccum::test::xml_archives
+/// @brief The archives of every checkpoint format, for `TEST_CASE_TEMPLATE`.
+#define GRADACCUM_TEST_CHECKPOINT_ARCHIVES \
+  gradaccum::test::binary_archives, gradaccum::test::portable_binary_archives, gradaccum::test::json_archives
+
+/// @brief Every cereal archive, for `TEST_CASE_TEMPLATE`.
+#define GRADACCUM_TEST_ARCHIVES GRADACCUM_TEST_CHECKPOINT_ARCHIVES, gradaccum::test::xml_archives

@@ -1,7 +1,7 @@
 /// @file
 /// @brief gradaccum-inspect: prints what a checkpoint file holds.
 ///
-///     gradaccum-inspect FILE [--format binary|portable_binary|json|xml]
+///     gradaccum-inspect FILE [--format binary|portable_binary|json]
 ///                            [--record auto|weighted|gradients|state]
 ///
 /// Prints the format, the record type and its format version, the accumulation state, the
@@ -153,8 +153,8 @@ int main(int argc, char** argv) {
   std::string format_name;
   std::string record_kind = "auto";
   app.add_option("file", path, "checkpoint file")->required();
-  app.add_option("-f,--format", format_name, "format, if the extension (.bin .pbin .json .xml) does not tell")
-      ->check(CLI::IsMember({"binary", "portable_binary", "json", "xml"}));
+  app.add_option("-f,--format", format_name, "format, if the extension (.bin .pbin .json) does not tell")
+      ->check(CLI::IsMember({"binary", "portable_binary", "json"}));
   app.add_option("-r,--record", record_kind,
                  "record the file holds: a weighted window, a plain accumulator's gradients, a window's state, or "
                  "auto (the one the file names)")

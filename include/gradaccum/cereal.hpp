@@ -59,16 +59,16 @@
 ///
 /// cereal's XML output archive formats every value through a stream that swallows
 /// `std::bad_alloc`, and its JSON archive terminates when a save throws midway; the checkpoint
-/// functions of `<gradaccum/checkpoint.hpp>` write with the library's own archives instead
+/// functions of `<gradaccum/checkpoint.hpp>` write JSON with the library's own archives instead
 /// (`checkpoint/text_archives.hpp`). A plain `archive(record)` into cereal's text archives keeps
 /// those faults; the checksum then refuses at load what a swallowed failure wrote wrong.
 ///
-/// Some failures happen inside cereal before these functions run, so a plain `archive(record)`
-/// of untrusted bytes also needs what `parse_checkpoint` and `load_checkpoint` add: they turn
-/// the `cereal::Exception` of a JSON or XML document that does not parse, or of an input too
-/// short for the outermost record's version, into `gradaccum::error`; they bound the nesting
-/// depth of JSON and XML documents, which cereal's parsers recurse on; and they refuse an XML
-/// document without a record, which cereal's XML archive (1.3) dereferences a null node for.
+/// Some failures happen inside cereal before these functions run, so untrusted bytes are best
+/// read with `parse_checkpoint` and `load_checkpoint`: they turn the `cereal::Exception` of an
+/// input too short for the outermost record's version into `gradaccum::error`, and read JSON
+/// with the library's parser, which bounds nesting depth (RapidJSON and rapidxml recurse once per
+/// level) and keeps every byte of a string. cereal's XML input archive (1.3) also dereferences a
+/// null node for a document without a record: give it only documents you wrote.
 
 #include <algorithm>
 #include <array>

@@ -17,12 +17,12 @@
 /// - `load_checkpoint<Record>(path[, format])` and `load_checkpoint(path, params, accumulator
 ///   [, format])` read untrusted bytes: every problem with the content throws `gradaccum::error`
 ///   (`errc::invalid_record` or `errc::invalid_state`) naming the problem and the path; nothing
-///   larger than the file is ever allocated; checksums refuse any changed content; JSON and XML
+///   larger than the file is ever allocated; checksums refuse any changed content; JSON
 ///   documents nesting deeper than `max_document_depth` are rejected; an accumulator is changed
 ///   only when everything loaded and validated. Files that are not regular (FIFO, device,
 ///   socket) are refused without blocking. Only `record_format_version` loads: a file of
 ///   another version is refused naming it. A file read as another archive than the one that
-///   wrote it (binary, portable binary, JSON, XML: told by its first bytes), or holding another
+///   wrote it (binary, portable binary, JSON: told by its first bytes), or holding another
 ///   record type than the one asked for (told by the tag every record starts with), is refused
 ///   naming what it is.
 /// - `save_checkpoint(path, accumulator, scaler[, format])` and `load_checkpoint(path, params,
@@ -35,13 +35,13 @@
 ///   build does not load.
 /// - `serialize_checkpoint` / `parse_checkpoint` do the same in memory.
 ///
-/// The format is explicit or follows the extension: `.bin` binary (native byte order, fastest),
-/// `.pbin` portable binary (little-endian tagged, any machine), `.json`, `.xml` (case-insensitive).
-/// Problems with the file itself (missing, unreadable, not regular, disk full, unknown
+/// The format is explicit or follows the extension (any case): `.bin` binary (native byte order,
+/// fastest: resuming on the same kind of machine), `.pbin` portable binary (little-endian tagged:
+/// moving a file between machines of other byte orders), `.json` (for people and tools: reading,
+/// diffing). Problems with the file itself (missing, unreadable, not regular, disk full, unknown
 /// extension) throw `std::filesystem::filesystem_error` naming the path; running out of memory
-/// throws `std::bad_alloc`. JSON and XML files are written by the library's archives and JSON
-/// files read by its own parser (`checkpoint/text_archives.hpp`); XML files are read by cereal's
-/// archive behind the checks of `checkpoint/text_guards.hpp`.
+/// throws `std::bad_alloc`. JSON files are written and read by the library's own archives
+/// (`checkpoint/text_archives.hpp`), binary ones by cereal's.
 
 #include <concepts>
 #include <cstdint>
@@ -62,39 +62,42 @@
 /// Compiled once: with `GRADACCUM_SEPARATE_COMPILATION` defined (in every translation unit of
 /// the program, as the `gradaccum-checkpoint` library's dependency does), this header declares
 /// the format and file code and `src/checkpoint.cpp` defines it, so a file that saves or loads
-/// a checkpoint compiles none of cereal. By default everything is defined here, inline.
+/// a checkpoint compiles none of cereal. By default everything is defined here: the format and
+/// file functions are then templates of nothing, so a file compiles only those it calls.
 #ifdef GRADACCUM_SEPARATE_COMPILATION
 #define GRADACCUM_CHECKPOINT_INLINE
+#define GRADACCUM_CHECKPOINT_DECLARE
+#define GRADACCUM_CHECKPOINT_DEFINE
 #else
 #define GRADACCUM_CHECKPOINT_INLINE inline
+#define GRADACCUM_CHECKPOINT_DECLARE template <class = void>
+#define GRADACCUM_CHECKPOINT_DEFINE template <class>
 #endif
 
 namespace gradaccum {
 
 /// @brief The cereal archive a checkpoint is written with.
-enum class checkpoint_format : std::uint8_t { binary, portable_binary, json, xml };
+enum class checkpoint_format : std::uint8_t { binary, portable_binary, json };
 
-/// @brief "binary", "portable_binary", "json", "xml".
+/// @brief "binary", "portable_binary", "json".
 constexpr std::string_view to_string(checkpoint_format format) noexcept {
   switch (format) {
     case checkpoint_format::binary: return "binary";
     case checkpoint_format::portable_binary: return "portable_binary";
     case checkpoint_format::json: return "json";
-    case checkpoint_format::xml: return "xml";
   }
   return "?";
 }
 
 /// @brief Inverse of `to_string`; empty for any other text.
 constexpr std::optional<checkpoint_format> parse_checkpoint_format(std::string_view name) noexcept {
-  for (auto format : {checkpoint_format::binary, checkpoint_format::portable_binary, checkpoint_format::json,
-                      checkpoint_format::xml}) {
+  for (auto format : {checkpoint_format::binary, checkpoint_format::portable_binary, checkpoint_format::json}) {
     if (to_string(format) == name) return format;
   }
   return std::nullopt;
 }
 
-/// @brief The format a path's extension names: `.bin`, `.pbin`, `.json`, `.xml` (any case).
+/// @brief The format a path's extension names: `.bin`, `.pbin`, `.json` (any case).
 /// @throws std::filesystem::filesystem_error (std::errc::invalid_argument) for any other extension.
 inline checkpoint_format checkpoint_format_for(const std::filesystem::path& path) {
   std::string extension = path.extension().string();
@@ -102,10 +105,9 @@ inline checkpoint_format checkpoint_format_for(const std::filesystem::path& path
   if (extension == ".bin") return checkpoint_format::binary;
   if (extension == ".pbin") return checkpoint_format::portable_binary;
   if (extension == ".json") return checkpoint_format::json;
-  if (extension == ".xml") return checkpoint_format::xml;
   throw std::filesystem::filesystem_error("gradaccum: cannot tell a checkpoint format from the extension '" +
                                               extension +
-                                              "'; use .bin, .pbin, .json or .xml, or pass a checkpoint_format",
+                                              "'; use .bin, .pbin or .json, or pass a checkpoint_format",
                                           path, std::make_error_code(std::errc::invalid_argument));
 }
 
@@ -234,47 +236,47 @@ enum class loss_scale_part : std::uint8_t { refused, required, optional };
 // The format and file code the templates below call: one overload per record type (and per
 // view an accumulator saves from), so nothing in it depends on a backend or a template argument
 // (see GRADACCUM_SEPARATE_COMPILATION).
-GRADACCUM_CHECKPOINT_INLINE std::string serialize_record(const weighted_gradients_record& record,
+GRADACCUM_CHECKPOINT_DECLARE std::string serialize_record(const weighted_gradients_record& record,
                                                          checkpoint_format format);
-GRADACCUM_CHECKPOINT_INLINE std::string serialize_record(const gradients_params_record& record,
+GRADACCUM_CHECKPOINT_DECLARE std::string serialize_record(const gradients_params_record& record,
                                                          checkpoint_format format);
-GRADACCUM_CHECKPOINT_INLINE std::string serialize_record(const weighted_accumulation_state& record,
+GRADACCUM_CHECKPOINT_DECLARE std::string serialize_record(const weighted_accumulation_state& record,
                                                          checkpoint_format format);
-GRADACCUM_CHECKPOINT_INLINE void parse_record(std::string_view bytes, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DECLARE void parse_record(std::string_view bytes, checkpoint_format format,
                                               weighted_gradients_record& record);
-GRADACCUM_CHECKPOINT_INLINE void parse_record(std::string_view bytes, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DECLARE void parse_record(std::string_view bytes, checkpoint_format format,
                                               gradients_params_record& record);
-GRADACCUM_CHECKPOINT_INLINE void parse_record(std::string_view bytes, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DECLARE void parse_record(std::string_view bytes, checkpoint_format format,
                                               weighted_accumulation_state& record);
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path,
+GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path,
                                                   const weighted_gradients_record& record, checkpoint_format format,
                                                   const dynamic_loss_scale_state* scale);
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path,
+GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path,
                                                   const gradients_params_record& record, checkpoint_format format,
                                                   const dynamic_loss_scale_state* scale);
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path,
+GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path,
                                                   const weighted_accumulation_state& record, checkpoint_format format,
                                                   const dynamic_loss_scale_state* scale);
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path,
+GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path,
                                                   const weighted_gradients_view& record, checkpoint_format format,
                                                   const dynamic_loss_scale_state* scale);
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path, const gradients_view& record,
+GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path, const gradients_view& record,
                                                   checkpoint_format format, const dynamic_loss_scale_state* scale);
-GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DECLARE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   weighted_gradients_record& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale);
-GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DECLARE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   gradients_params_record& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale);
-GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DECLARE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   weighted_accumulation_state& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale);
 /// Read a file of a window's (or a gradients) record into `sink` (an accumulator's restorer),
 /// which checks every tensor.
-GRADACCUM_CHECKPOINT_INLINE void load_window_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DECLARE void load_window_file(const std::filesystem::path& path, checkpoint_format format,
                                                   tensor_sink& sink, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale);
-GRADACCUM_CHECKPOINT_INLINE void load_gradients_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DECLARE void load_gradients_file(const std::filesystem::path& path, checkpoint_format format,
                                                      tensor_sink& sink, loss_scale_part part,
                                                      std::optional<dynamic_loss_scale_state>* scale);
 

@@ -125,8 +125,16 @@ struct tensor_view {
 };
 
 inline tensor_view view_of(const tensor_record& tensor) noexcept {
-  return {tensor.id, tensor.dtype, tensor.shape,
-          std::visit([](const auto& values) { return values_view(std::span(values)); }, tensor.values)};
+  // get_if, not std::visit: this inline function is compiled wherever records.hpp is included.
+  values_view values;
+  if (const auto* bits = std::get_if<std::vector<std::uint16_t>>(&tensor.values)) {
+    values = std::span<const std::uint16_t>(*bits);
+  } else if (const auto* f32 = std::get_if<std::vector<float>>(&tensor.values)) {
+    values = std::span<const float>(*f32);
+  } else if (const auto* f64 = std::get_if<std::vector<double>>(&tensor.values)) {
+    values = std::span<const double>(*f64);
+  }
+  return {tensor.id, tensor.dtype, tensor.shape, values};
 }
 
 /// @brief A `gradients_params_record` of borrowed tensors, in record order.

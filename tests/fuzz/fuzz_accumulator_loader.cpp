@@ -1,7 +1,7 @@
 /// @file
 /// @brief libFuzzer harness for the path users take: `load_checkpoint(path, params,
 /// accumulator)` into pre-filled Eigen and xtensor accumulators, in one format
-/// ($GRADACCUM_FUZZ_FORMAT: binary, portable_binary, json or xml).
+/// ($GRADACCUM_FUZZ_FORMAT: binary, portable_binary or json).
 ///
 /// Each input is written to a file and loaded. A rejected load must throw `gradaccum::error`
 /// or `std::filesystem::filesystem_error` and leave the accumulator exactly as it was; an

@@ -17,7 +17,7 @@ inline gradaccum::checkpoint_format format_from_environment() {
   const std::optional<gradaccum::checkpoint_format> format =
       name != nullptr ? gradaccum::parse_checkpoint_format(name) : std::nullopt;
   if (!format) {
-    std::fprintf(stderr, "set GRADACCUM_FUZZ_FORMAT to binary, portable_binary, json or xml\n");
+    std::fprintf(stderr, "set GRADACCUM_FUZZ_FORMAT to binary, portable_binary or json\n");
     std::exit(2);
   }
   return *format;

@@ -1,6 +1,6 @@
 /// @file
 /// @brief libFuzzer harness for the checkpoint loader of one format ($GRADACCUM_FUZZ_FORMAT:
-/// binary, portable_binary, json or xml), built by `-Dfuzz=true` with clang's
+/// binary, portable_binary or json), built by `-Dfuzz=true` with clang's
 /// -fsanitize=fuzzer,address,undefined.
 ///
 /// Any input must either load as a valid weighted record that saves and loads back to the same

@@ -45,8 +45,8 @@ int main() {
   const detail::tensor_view views[] = {{"b", float_dtype::f32, b_shape, values.subspan(0, 2)},
                                        {"w", float_dtype::f32, w_shape, values.subspan(16, 6)}};
   const detail::weighted_gradients_view window{{float_dtype::f32, 1024.0, 7.0, 2}, {views, values}};
-  for (const checkpoint_format format : {checkpoint_format::binary, checkpoint_format::portable_binary,
-                                         checkpoint_format::json, checkpoint_format::xml}) {
+  for (const checkpoint_format format :
+       {checkpoint_format::binary, checkpoint_format::portable_binary, checkpoint_format::json}) {
     const std::filesystem::path directory = std::filesystem::path("corpus") / std::string(to_string(format));
     std::filesystem::create_directories(directory);
     for (const auto& [name, record] : seeds) {

@@ -21,17 +21,13 @@
 #include <utility>
 
 #include <cereal/archives/binary.hpp>
-#include <cereal/archives/json.hpp>
 #include <cereal/archives/portable_binary.hpp>
-#include <cereal/archives/xml.hpp>
 
 #include "gradaccum/cereal.hpp"
 #include "gradaccum/checkpoint.hpp"
 #include "gradaccum/checkpoint/posix_file.hpp"
 #include "gradaccum/checkpoint/tensor_sink.hpp"
 #include "gradaccum/checkpoint/text_archives.hpp"
-#include "gradaccum/checkpoint/text_guards.hpp"
-#include "gradaccum/checkpoint/xml_output_archive.hpp"
 #include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/records.hpp"
@@ -42,42 +38,24 @@ namespace detail {
 
 // ---- Formats -----------------------------------------------------------------------------------
 
+/// The archives checkpoint files are read and written with: cereal's binary ones and the
+/// library's JSON archives (see `checkpoint/text_archives.hpp`).
 template <checkpoint_format F>
-struct archives_of;
+struct checkpoint_archives_of;
 template <>
-struct archives_of<checkpoint_format::binary> {
+struct checkpoint_archives_of<checkpoint_format::binary> {
   using input = cereal::BinaryInputArchive;
   using output = cereal::BinaryOutputArchive;
 };
 template <>
-struct archives_of<checkpoint_format::portable_binary> {
+struct checkpoint_archives_of<checkpoint_format::portable_binary> {
   using input = cereal::PortableBinaryInputArchive;
   using output = cereal::PortableBinaryOutputArchive;
 };
 template <>
-struct archives_of<checkpoint_format::json> {
-  using input = cereal::JSONInputArchive;
-  using output = cereal::JSONOutputArchive;
-};
-template <>
-struct archives_of<checkpoint_format::xml> {
-  using input = cereal::XMLInputArchive;
-  using output = cereal::XMLOutputArchive;
-};
-
-/// The archives checkpoint files are read and written with: cereal's binary ones, the library's
-/// JSON archives and XML writer, cereal's XML reader (see `checkpoint/text_archives.hpp`).
-template <checkpoint_format F>
-struct checkpoint_archives_of : archives_of<F> {};
-template <>
 struct checkpoint_archives_of<checkpoint_format::json> {
   using input = json_input_archive;
   using output = json_output_archive;
-};
-template <>
-struct checkpoint_archives_of<checkpoint_format::xml> {
-  using input = cereal::XMLInputArchive;
-  using output = xml_output_archive;
 };
 
 /// Calls `f.template operator()<checkpoint_archives_of<format>>()`.
@@ -88,15 +66,13 @@ decltype(auto) visit_format(checkpoint_format format, F&& f) {
       return std::forward<F>(f).template operator()<checkpoint_archives_of<checkpoint_format::portable_binary>>();
     case checkpoint_format::json:
       return std::forward<F>(f).template operator()<checkpoint_archives_of<checkpoint_format::json>>();
-    case checkpoint_format::xml:
-      return std::forward<F>(f).template operator()<checkpoint_archives_of<checkpoint_format::xml>>();
     case checkpoint_format::binary: break;
   }
   return std::forward<F>(f).template operator()<checkpoint_archives_of<checkpoint_format::binary>>();
 }
 
 constexpr bool is_text_format(checkpoint_format format) noexcept {
-  return format == checkpoint_format::json || format == checkpoint_format::xml;
+  return format == checkpoint_format::json;
 }
 
 /// The name of the outermost node, which tells text readers what the document holds; a view
@@ -217,17 +193,8 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
         if (archive.root_members() > (scale != nullptr && scale->has_value() ? 2U : 1U)) refuse_more();
       } else {
         sized_input_archive<input> archive(source);
-        // cereal's XML archive dereferences a null node when asked for a record it does not hold.
-        if constexpr (requires { archive.getNodeName(); }) {
-          if (archive.getNodeName() == nullptr) fail(errc::invalid_record, "checkpoint holds no record.");
-        }
         archive(into);
-        if constexpr (requires { archive.getNodeName(); }) {
-          read_scale(archive, archive.getNodeName() != nullptr);
-          if (archive.getNodeName() != nullptr) refuse_more();
-        } else {
-          read_scale(archive, source.remaining() != 0);
-        }
+        read_scale(archive, source.remaining() != 0);
       }
     });
   } catch (const cereal::Exception& e) {
@@ -246,12 +213,11 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
   }
 }
 
-/// "a binary archive", "a portable binary archive", "a JSON document", "an XML document".
+/// "a binary archive", "a portable binary archive", "a JSON document".
 constexpr std::string_view archive_description(checkpoint_format format) noexcept {
   switch (format) {
     case checkpoint_format::portable_binary: return "a portable binary archive";
     case checkpoint_format::json: return "a JSON document";
-    case checkpoint_format::xml: return "an XML document";
     case checkpoint_format::binary: break;
   }
   return "a binary archive";
@@ -272,7 +238,7 @@ inline std::optional<std::uint32_t> u32_at(std::string_view head, std::size_t at
 /// byte, the class version and the record tag.
 inline constexpr std::size_t archive_head_bytes = 1 + 4 + record_magic_bytes;
 
-/// The archive that wrote a checkpoint starting with `head`: a JSON or XML document by its first
+/// The archive that wrote a checkpoint starting with `head`: a JSON document by its first
 /// character; a binary or portable binary archive by where a record tag lies (after the class
 /// version; in a portable binary archive after its byte-order byte, 0 or 1, too), or, for
 /// records of the formats before tags (2 to 4), where one of their versions does. Empty when
@@ -280,7 +246,6 @@ inline constexpr std::size_t archive_head_bytes = 1 + 4 + record_magic_bytes;
 inline std::optional<checkpoint_format> archive_of(std::string_view head) noexcept {
   const std::size_t first = head.find_first_not_of(" \t\r\n");
   if (first != std::string_view::npos && head[first] == '{') return checkpoint_format::json;
-  if (first != std::string_view::npos && head[first] == '<') return checkpoint_format::xml;
   const bool byte_order = !head.empty() && (head[0] == 0 || head[0] == 1);
   const auto tag_at = [&](std::size_t at) {
     return head.size() >= at + record_magic_bytes && find_tag(head.substr(at, record_magic_bytes), true) != nullptr;
@@ -313,12 +278,10 @@ inline void check_archive(std::string_view head, checkpoint_format format) {
 /// How much of a document's start `check_archive` sees: enough to skip leading whitespace.
 inline constexpr std::size_t text_head_bytes = 64;
 
-/// Runs `read(source, bytes)` over `bytes`; XML documents are checked first
-/// (`check_xml_document`).
+/// Runs `read(source, bytes)` over `bytes`.
 template <class F>
 void read_bytes(std::string_view bytes, checkpoint_format format, F&& read) {
   check_archive(bytes.substr(0, text_head_bytes), format);
-  if (format == checkpoint_format::xml) check_xml_document(bytes);
   memory_streambuf source(bytes);
   std::forward<F>(read)(source, bytes);
 }
@@ -373,19 +336,17 @@ inline checkpoint_start start_of(std::string_view head, checkpoint_format format
   } else if (format == checkpoint_format::portable_binary) {
     version = head.empty() ? std::nullopt : u32_at(head, 1, head[0] == 1);  // after the byte-order byte
     if (head.size() >= 5 + record_magic_bytes) start.record = find_tag(head.substr(5, record_magic_bytes), true);
-  } else {
-    // The first number after the key; for the tag, the first string after it.
-    const bool json = format == checkpoint_format::json;
+  } else {  // JSON: the first number after the key; for the tag, the first string after it
     const auto after = [&](std::string_view key) {
       const std::size_t at = head.find(key);
       return at == std::string_view::npos ? std::string_view() : head.substr(at + key.size());
     };
-    std::string_view rest = after(json ? "\"cereal_class_version\"" : "<cereal_class_version>");
+    std::string_view rest = after("\"cereal_class_version\"");
     rest.remove_prefix(std::min(rest.find_first_of("0123456789"), rest.size()));
     version = parse_number<std::uint32_t>(rest.substr(0, rest.find_first_not_of("0123456789")));
-    std::string_view name = after(json ? "\"record\"" : "<record>");
-    if (json) name.remove_prefix(std::min(name.find('"') + 1, name.size()));
-    start.record = find_tag(name.substr(0, name.find(json ? '"' : '<')), false);
+    std::string_view name = after("\"record\"");
+    name.remove_prefix(std::min(name.find('"') + 1, name.size()));
+    start.record = find_tag(name.substr(0, name.find('"')), false);
   }
   if (!version) fail(errc::invalid_record, "checkpoint does not start with a record's format version.");
   start.version = *version;
@@ -428,80 +389,80 @@ void load_any_file(const std::filesystem::path& path, checkpoint_format format, 
     read_into<R>(source, text, format, into, part, scale);
   });
 }
-GRADACCUM_CHECKPOINT_INLINE std::string serialize_record(const weighted_gradients_record& record,
+GRADACCUM_CHECKPOINT_DEFINE std::string serialize_record(const weighted_gradients_record& record,
                                                          checkpoint_format format) {
   return serialize_any(record, format);
 }
-GRADACCUM_CHECKPOINT_INLINE std::string serialize_record(const gradients_params_record& record,
+GRADACCUM_CHECKPOINT_DEFINE std::string serialize_record(const gradients_params_record& record,
                                                          checkpoint_format format) {
   return serialize_any(record, format);
 }
-GRADACCUM_CHECKPOINT_INLINE std::string serialize_record(const weighted_accumulation_state& record,
+GRADACCUM_CHECKPOINT_DEFINE std::string serialize_record(const weighted_accumulation_state& record,
                                                          checkpoint_format format) {
   return serialize_any(record, format);
 }
 
-GRADACCUM_CHECKPOINT_INLINE void parse_record(std::string_view bytes, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DEFINE void parse_record(std::string_view bytes, checkpoint_format format,
                                               weighted_gradients_record& record) {
   parse_any(bytes, format, record);
 }
-GRADACCUM_CHECKPOINT_INLINE void parse_record(std::string_view bytes, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DEFINE void parse_record(std::string_view bytes, checkpoint_format format,
                                               gradients_params_record& record) {
   parse_any(bytes, format, record);
 }
-GRADACCUM_CHECKPOINT_INLINE void parse_record(std::string_view bytes, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DEFINE void parse_record(std::string_view bytes, checkpoint_format format,
                                               weighted_accumulation_state& record) {
   parse_any(bytes, format, record);
 }
 
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path,
+GRADACCUM_CHECKPOINT_DEFINE void save_record_file(const std::filesystem::path& path,
                                                   const weighted_gradients_record& record, checkpoint_format format,
                                                   const dynamic_loss_scale_state* scale) {
   save_file(path, record, format, scale);
 }
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path,
+GRADACCUM_CHECKPOINT_DEFINE void save_record_file(const std::filesystem::path& path,
                                                   const gradients_params_record& record, checkpoint_format format,
                                                   const dynamic_loss_scale_state* scale) {
   save_file(path, record, format, scale);
 }
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path,
+GRADACCUM_CHECKPOINT_DEFINE void save_record_file(const std::filesystem::path& path,
                                                   const weighted_accumulation_state& record, checkpoint_format format,
                                                   const dynamic_loss_scale_state* scale) {
   save_file(path, record, format, scale);
 }
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path,
+GRADACCUM_CHECKPOINT_DEFINE void save_record_file(const std::filesystem::path& path,
                                                   const weighted_gradients_view& record, checkpoint_format format,
                                                   const dynamic_loss_scale_state* scale) {
   save_file(path, record, format, scale);
 }
-GRADACCUM_CHECKPOINT_INLINE void save_record_file(const std::filesystem::path& path, const gradients_view& record,
+GRADACCUM_CHECKPOINT_DEFINE void save_record_file(const std::filesystem::path& path, const gradients_view& record,
                                                   checkpoint_format format, const dynamic_loss_scale_state* scale) {
   save_file(path, record, format, scale);
 }
 
-GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DEFINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   weighted_gradients_record& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale) {
   load_any_file<weighted_gradients_record>(path, format, record, part, scale);
 }
-GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DEFINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   gradients_params_record& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale) {
   load_any_file<gradients_params_record>(path, format, record, part, scale);
 }
-GRADACCUM_CHECKPOINT_INLINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DEFINE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
                                                   weighted_accumulation_state& record, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale) {
   load_any_file<weighted_accumulation_state>(path, format, record, part, scale);
 }
 
-GRADACCUM_CHECKPOINT_INLINE void load_window_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DEFINE void load_window_file(const std::filesystem::path& path, checkpoint_format format,
                                                   tensor_sink& sink, loss_scale_part part,
                                                   std::optional<dynamic_loss_scale_state>* scale) {
   weighted_into<tensor_sink> into{&sink};
   load_any_file<weighted_gradients_record>(path, format, into, part, scale);
 }
-GRADACCUM_CHECKPOINT_INLINE void load_gradients_file(const std::filesystem::path& path, checkpoint_format format,
+GRADACCUM_CHECKPOINT_DEFINE void load_gradients_file(const std::filesystem::path& path, checkpoint_format format,
                                                      tensor_sink& sink, loss_scale_part part,
                                                      std::optional<dynamic_loss_scale_state>* scale) {
   gradients_into<tensor_sink> into{&sink};

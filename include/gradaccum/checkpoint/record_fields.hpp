@@ -31,7 +31,6 @@
 #include <cereal/cereal.hpp>
 
 #include "gradaccum/checkpoint/checksum.hpp"
-#include "gradaccum/checkpoint/text_guards.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/error.hpp"
@@ -43,6 +42,16 @@ class XMLInputArchive;  // only compared against: its integer parsing needs a st
 }  // namespace cereal
 
 namespace gradaccum::detail {
+
+/// `text` as a T when it is exactly a decimal number of T (`std::from_chars`: no sign for
+/// unsigned types, no leading '+', whitespace, hex prefix or trailing bytes).
+template <class T>
+std::optional<T> parse_number(std::string_view text) noexcept {
+  T value{};
+  const auto [end, problem] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (problem != std::errc{} || end != text.data() + text.size()) return std::nullopt;
+  return value;
+}
 
 // ---- Inputs that know how many bytes they still hold ------------------------------------------
 

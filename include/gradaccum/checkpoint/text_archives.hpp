@@ -1,25 +1,24 @@
 #pragma once
 /// @file
-/// @brief The JSON archives that checkpoint files are written and read with (the XML one they
-/// are written with is in `xml_output_archive.hpp`).
+/// @brief The JSON archives that checkpoint files are written and read with.
 ///
-/// They write the documents cereal's `JSONOutputArchive` and `XMLOutputArchive` write (the same
-/// nodes, names and version fields; numbers as the shortest text that reads back exactly), so
-/// cereal's input archives read them too, and `json_input_archive` reads what cereal's JSON
-/// archive writes. The library owns them because cereal's fail under memory pressure:
+/// They write the document cereal's `JSONOutputArchive` writes (the same nodes, names and
+/// version fields; numbers as the shortest text that reads back exactly), so cereal's
+/// `JSONInputArchive` reads them too, and `json_input_archive` reads what cereal's JSON archive
+/// writes. The library owns them because cereal's fail under memory pressure and on hostile
+/// input:
 ///
-/// - cereal's XML archive formats every value through a `std::ostringstream`, which swallows
-///   `std::bad_alloc`: the save goes on and writes a wrong value. Here numbers are formatted
-///   with `std::to_chars` into fixed buffers, and every write goes straight to the stream
-///   buffer, whose exceptions propagate and whose short writes throw.
 /// - cereal's JSON archive finishes its document in a `noexcept` destructor, where RapidJSON
 ///   asserts (cereal makes that a throw, so `std::terminate`) when an exception left the
 ///   document unfinished. Here `finish()` completes the document and the destructor writes
-///   nothing: a failed save leaves an unfinished document that the caller discards.
-/// - RapidJSON's reader dereferences the null pointer of a failed `malloc`, and keeps strings
-///   only up to their first NUL byte. `json_input_archive` parses into standard containers
-///   (allocation failures throw `std::bad_alloc`), keeps every byte of a string, reads numbers
-///   with `std::from_chars`, and bounds nesting by `max_document_depth`.
+///   nothing: a failed save leaves an unfinished document that the caller discards. Numbers are
+///   formatted with `std::to_chars` into fixed buffers, and every write goes straight to the
+///   stream buffer, whose exceptions propagate and whose short writes throw.
+/// - RapidJSON's reader dereferences the null pointer of a failed `malloc`, recurses once per
+///   nesting level, and keeps strings only up to their first NUL byte. `json_input_archive`
+///   parses into standard containers (allocation failures throw `std::bad_alloc`), keeps every
+///   byte of a string, reads numbers with `std::from_chars`, and bounds nesting by
+///   `max_document_depth`.
 
 #include <algorithm>
 #include <array>
@@ -43,8 +42,8 @@
 
 namespace gradaccum {
 
-/// @brief Deepest nesting of objects, arrays or elements a JSON or XML checkpoint may have
-/// (records need 7); parsers recurse once per level.
+/// @brief Deepest nesting of objects and arrays a JSON checkpoint may have (records need 7);
+/// the parser recurses once per level.
 inline constexpr std::size_t max_document_depth = 32;
 
 namespace detail {
