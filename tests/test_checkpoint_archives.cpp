@@ -176,9 +176,9 @@ TEST_CASE("text archives name every field and record type, write dtypes as names
   }
   const std::string xml = save_plain<xml_archives>(record);  // cereal's own XML archive
   for (const char* expected :
-       {"<cereal_class_version>5</cereal_class_version>",
-        "<record>weighted_gradients_record</record>", "<dtype>F32</dtype>", "<loss_scale>1024</loss_scale>",
-        "<microbatches>2</microbatches>", "<id>fc1.bias</id>", "<shape size=\"dynamic\">", "<values>0.5 -2</values>"}) {
+       {"<cereal_class_version>5</cereal_class_version>", "<record>weighted_gradients_record</record>",
+        "<dtype>F32</dtype>", "<loss_scale>1024</loss_scale>", "<microbatches>2</microbatches>", "<id>fc1.bias</id>",
+        "<shape size=\"dynamic\">", "<values>0.5 -2</values>"}) {
     CHECK_MESSAGE(xml.find(expected) != std::string::npos, "XML lacks " << expected << ":\n" << xml);
   }
   // 16-bit values are their bit patterns: 0x3c00 is F16 1.0.

@@ -8,11 +8,11 @@
 #include <sstream>
 #include <string>
 
+#include <doctest/doctest.h>
 #include <cereal/archives/binary.hpp>
 #include <cereal/archives/json.hpp>
 #include <cereal/archives/portable_binary.hpp>
 #include <cereal/archives/xml.hpp>
-#include <doctest/doctest.h>
 
 #include <gradaccum/checkpoint.hpp>
 
@@ -33,9 +33,8 @@ inline std::string extension_of(checkpoint_format format) {
   return "";
 }
 
-inline constexpr std::array<checkpoint_format, 3> all_formats = {checkpoint_format::binary,
-                                                                checkpoint_format::portable_binary,
-                                                                checkpoint_format::json};
+inline constexpr std::array<checkpoint_format, 3> all_formats = {
+    checkpoint_format::binary, checkpoint_format::portable_binary, checkpoint_format::json};
 
 /// @brief cereal's input and output archive of one checkpoint format.
 template <checkpoint_format F, class Input, class Output>
@@ -44,8 +43,7 @@ struct archives {
   using input = Input;
   using output = Output;
 };
-using binary_archives =
-    archives<checkpoint_format::binary, cereal::BinaryInputArchive, cereal::BinaryOutputArchive>;
+using binary_archives = archives<checkpoint_format::binary, cereal::BinaryInputArchive, cereal::BinaryOutputArchive>;
 using portable_binary_archives = archives<checkpoint_format::portable_binary, cereal::PortableBinaryInputArchive,
                                           cereal::PortableBinaryOutputArchive>;
 using json_archives = archives<checkpoint_format::json, cereal::JSONInputArchive, cereal::JSONOutputArchive>;

@@ -106,8 +106,7 @@ inline checkpoint_format checkpoint_format_for(const std::filesystem::path& path
   if (extension == ".pbin") return checkpoint_format::portable_binary;
   if (extension == ".json") return checkpoint_format::json;
   throw std::filesystem::filesystem_error("gradaccum: cannot tell a checkpoint format from the extension '" +
-                                              extension +
-                                              "'; use .bin, .pbin or .json, or pass a checkpoint_format",
+                                              extension + "'; use .bin, .pbin or .json, or pass a checkpoint_format",
                                           path, std::make_error_code(std::errc::invalid_argument));
 }
 
@@ -237,48 +236,48 @@ enum class loss_scale_part : std::uint8_t { refused, required, optional };
 // view an accumulator saves from), so nothing in it depends on a backend or a template argument
 // (see GRADACCUM_SEPARATE_COMPILATION).
 GRADACCUM_CHECKPOINT_DECLARE std::string serialize_record(const weighted_gradients_record& record,
-                                                         checkpoint_format format);
+                                                          checkpoint_format format);
 GRADACCUM_CHECKPOINT_DECLARE std::string serialize_record(const gradients_params_record& record,
-                                                         checkpoint_format format);
+                                                          checkpoint_format format);
 GRADACCUM_CHECKPOINT_DECLARE std::string serialize_record(const weighted_accumulation_state& record,
-                                                         checkpoint_format format);
+                                                          checkpoint_format format);
 GRADACCUM_CHECKPOINT_DECLARE void parse_record(std::string_view bytes, checkpoint_format format,
-                                              weighted_gradients_record& record);
+                                               weighted_gradients_record& record);
 GRADACCUM_CHECKPOINT_DECLARE void parse_record(std::string_view bytes, checkpoint_format format,
-                                              gradients_params_record& record);
+                                               gradients_params_record& record);
 GRADACCUM_CHECKPOINT_DECLARE void parse_record(std::string_view bytes, checkpoint_format format,
-                                              weighted_accumulation_state& record);
+                                               weighted_accumulation_state& record);
 GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path,
-                                                  const weighted_gradients_record& record, checkpoint_format format,
-                                                  const dynamic_loss_scale_state* scale);
+                                                   const weighted_gradients_record& record, checkpoint_format format,
+                                                   const dynamic_loss_scale_state* scale);
 GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path,
-                                                  const gradients_params_record& record, checkpoint_format format,
-                                                  const dynamic_loss_scale_state* scale);
+                                                   const gradients_params_record& record, checkpoint_format format,
+                                                   const dynamic_loss_scale_state* scale);
 GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path,
-                                                  const weighted_accumulation_state& record, checkpoint_format format,
-                                                  const dynamic_loss_scale_state* scale);
+                                                   const weighted_accumulation_state& record, checkpoint_format format,
+                                                   const dynamic_loss_scale_state* scale);
 GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path,
-                                                  const weighted_gradients_view& record, checkpoint_format format,
-                                                  const dynamic_loss_scale_state* scale);
+                                                   const weighted_gradients_view& record, checkpoint_format format,
+                                                   const dynamic_loss_scale_state* scale);
 GRADACCUM_CHECKPOINT_DECLARE void save_record_file(const std::filesystem::path& path, const gradients_view& record,
-                                                  checkpoint_format format, const dynamic_loss_scale_state* scale);
+                                                   checkpoint_format format, const dynamic_loss_scale_state* scale);
 GRADACCUM_CHECKPOINT_DECLARE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
-                                                  weighted_gradients_record& record, loss_scale_part part,
-                                                  std::optional<dynamic_loss_scale_state>* scale);
+                                                   weighted_gradients_record& record, loss_scale_part part,
+                                                   std::optional<dynamic_loss_scale_state>* scale);
 GRADACCUM_CHECKPOINT_DECLARE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
-                                                  gradients_params_record& record, loss_scale_part part,
-                                                  std::optional<dynamic_loss_scale_state>* scale);
+                                                   gradients_params_record& record, loss_scale_part part,
+                                                   std::optional<dynamic_loss_scale_state>* scale);
 GRADACCUM_CHECKPOINT_DECLARE void load_record_file(const std::filesystem::path& path, checkpoint_format format,
-                                                  weighted_accumulation_state& record, loss_scale_part part,
-                                                  std::optional<dynamic_loss_scale_state>* scale);
+                                                   weighted_accumulation_state& record, loss_scale_part part,
+                                                   std::optional<dynamic_loss_scale_state>* scale);
 /// Read a file of a window's (or a gradients) record into `sink` (an accumulator's restorer),
 /// which checks every tensor.
 GRADACCUM_CHECKPOINT_DECLARE void load_window_file(const std::filesystem::path& path, checkpoint_format format,
-                                                  tensor_sink& sink, loss_scale_part part,
-                                                  std::optional<dynamic_loss_scale_state>* scale);
+                                                   tensor_sink& sink, loss_scale_part part,
+                                                   std::optional<dynamic_loss_scale_state>* scale);
 GRADACCUM_CHECKPOINT_DECLARE void load_gradients_file(const std::filesystem::path& path, checkpoint_format format,
-                                                     tensor_sink& sink, loss_scale_part part,
-                                                     std::optional<dynamic_loss_scale_state>* scale);
+                                                      tensor_sink& sink, loss_scale_part part,
+                                                      std::optional<dynamic_loss_scale_state>* scale);
 
 inline checkpoint_format resolve_format(const std::filesystem::path& path, std::optional<checkpoint_format> format) {
   return format ? *format : checkpoint_format_for(path);
