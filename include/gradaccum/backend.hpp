@@ -82,8 +82,7 @@ tensor_shape shape_of(const X& value, std::string_view id) {
     return B::shape(value);
   } catch (const error& problem) {
     if (problem.code() != errc::invalid_record) throw;
-    fail(errc::parameter_mismatch, "tensor '" + std::string(id) + "' cannot be used: " + problem.what(),
-         std::string(id));
+    fail(errc::parameter_mismatch, {"tensor '", id, "' cannot be used: ", problem.what()}, id);
   }
 }
 

@@ -172,8 +172,7 @@ inline dynamic_loss_scale::dynamic_loss_scale(const dynamic_loss_scale_options& 
                                               const dynamic_loss_scale_state& state)
     : options_(options), state_(state) {
   const auto reject = [](const char* what, double value) {
-    detail::fail(errc::invalid_scalar,
-                 std::string("dynamic loss scale: ") + what + " " + detail::number_text(value) + " is out of range.");
+    detail::fail(errc::invalid_scalar, {"dynamic loss scale: ", what, " ", value, " is out of range."});
   };
   if (!detail::exact_f32_scale(options.min_scale)) reject("min_scale", options.min_scale);
   if (!(detail::exact_f32_scale(options.init_scale) && options.init_scale >= options.min_scale)) {
@@ -187,10 +186,9 @@ inline dynamic_loss_scale::dynamic_loss_scale(const dynamic_loss_scale_options& 
   if (options.hysteresis == 0) reject("hysteresis", 0.0);
   if (!detail::reachable_scale(options, state.scale) || state.growth_tracker >= options.growth_interval ||
       state.hysteresis_left == 0 || state.hysteresis_left > options.hysteresis) {
-    detail::fail(errc::invalid_state, "dynamic loss scale state (scale " + detail::number_text(state.scale) +
-                                          ", growth_tracker " + std::to_string(state.growth_tracker) +
-                                          ", hysteresis_left " + std::to_string(state.hysteresis_left) +
-                                          ") cannot be reached with these options.");
+    detail::fail(errc::invalid_state, {"dynamic loss scale state (scale ", state.scale, ", growth_tracker ",
+                                       state.growth_tracker, ", hysteresis_left ", state.hysteresis_left,
+                                       ") cannot be reached with these options."});
   }
 }
 

@@ -3,9 +3,16 @@
 /// @brief The single exception type of the library and its error codes.
 
 #include <charconv>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 
 namespace gradaccum {
@@ -68,16 +75,89 @@ class error : public std::runtime_error {
 };
 
 namespace detail {
-/// Out of line and cold so that the checks on hot paths stay small.
-[[noreturn]] inline void fail(errc code, const std::string& message, std::string param_id = {}) {
-  throw error(code, message, std::move(param_id));
-}
 
 /// The shortest text that reads back as `value` (std::to_string would print 1e-45 as 0.000000).
 inline std::string number_text(double value) {
   char text[32];  // the shortest round-trip form of a double needs at most 24 characters
   return {text, std::to_chars(text, text + sizeof text, value).ptr};
 }
+
+/// Appends `value` in decimal (as std::to_string writes integers).
+template <class Int>
+void append_number(std::string& out, Int value) {
+  char text[24];
+  out.append(text, std::to_chars(text, text + sizeof text, value).ptr);
+}
+
+/// Appends "[3, 4]": dimensions as `tensor_shape::to_string` and messages write them.
+inline void append_dims(std::string& out, std::span<const std::size_t> dims) {
+  out += '[';
+  for (std::size_t axis = 0; axis < dims.size(); ++axis) {
+    if (axis != 0) out += ", ";
+    append_number(out, dims[axis]);
+  }
+  out += ']';
+}
+
+/// @brief A piece of an error message: text, a number or a shape's dimensions, written out only
+/// when `fail` builds the message. A check in a template then compiles to a compare and a call
+/// instead of the string arithmetic of its message, in every instantiation.
+class message_piece {
+ public:
+  message_piece(const char* text) noexcept : text_(text) {}
+  message_piece(std::string_view text) noexcept : text_(text) {}
+  message_piece(const std::string& text) noexcept : text_(text) {}
+  template <std::integral I>
+    requires(!std::same_as<I, bool> && !std::same_as<I, char>)
+  message_piece(I value) noexcept {
+    if constexpr (std::is_signed_v<I>) {
+      kind_ = kind::signed_integer;
+      signed_ = value;
+    } else {
+      kind_ = kind::unsigned_integer;
+      unsigned_ = value;
+    }
+  }
+  message_piece(double value) noexcept : kind_(kind::real), real_(value) {}
+  message_piece(std::span<const std::size_t> dims) noexcept : kind_(kind::dims), dims_(dims) {}
+
+  void append_to(std::string& out) const {
+    switch (kind_) {
+      case kind::text: out += text_; break;
+      case kind::signed_integer: append_number(out, signed_); break;
+      case kind::unsigned_integer: append_number(out, unsigned_); break;
+      case kind::real: out += number_text(real_); break;
+      case kind::dims: append_dims(out, dims_); break;
+    }
+  }
+
+ private:
+  enum class kind : std::uint8_t { text, signed_integer, unsigned_integer, real, dims };
+  kind kind_ = kind::text;
+  union {
+    std::string_view text_;
+    long long signed_;
+    unsigned long long unsigned_;
+    double real_;
+    std::span<const std::size_t> dims_;
+  };
+};
+
+/// Throws `error(code, message, param_id)`. Out of line and cold so that the checks on hot
+/// paths stay small.
+[[noreturn, gnu::cold, gnu::noinline]] inline void fail(errc code, const std::string& message,
+                                                        std::string param_id = {}) {
+  throw error(code, message, std::move(param_id));
+}
+
+/// Throws an `error` whose message is the pieces back to back.
+[[noreturn, gnu::cold, gnu::noinline]] inline void fail(errc code, std::initializer_list<message_piece> message,
+                                                        std::string_view param_id = {}) {
+  std::string text;
+  for (const message_piece& piece : message) piece.append_to(text);
+  throw error(code, text, std::string(param_id));
+}
+
 }  // namespace detail
 
 }  // namespace gradaccum

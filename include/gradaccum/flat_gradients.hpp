@@ -71,7 +71,7 @@ class flat_layout {
       const auto count = p.shape.checked_element_count();
       const std::size_t room = SIZE_MAX / 8 - segment_alignment;  // bytes of F64 must not overflow
       if (!count || *count > room || total_ > room - *count) {
-        detail::fail(errc::parameter_mismatch, "parameter '" + p.id + "' has more elements than fit in memory.", p.id);
+        detail::fail(errc::parameter_mismatch, {"parameter '", p.id, "' has more elements than fit in memory."}, p.id);
       }
       segments_.push_back({p.id, p.shape, p.device, total_, *count});
       total_ += (*count + segment_alignment - 1) / segment_alignment * segment_alignment;
@@ -175,9 +175,8 @@ struct flat_storage {
   static void require_type(const flat_storage* storage, std::string_view holder) {
     static_assert(std::is_same_v<W, float> || std::is_same_v<W, double>, "results hold float or double values");
     if (storage != nullptr && dtype_of<W> != storage->dtype) [[unlikely]] {
-      fail(errc::invalid_dtype, "values of " + std::string(holder) + " are " + std::string(to_string(storage->dtype)) +
-                                    ", asked for as " + std::string(to_string(dtype_of<W>)) +
-                                    " (use the element type of dtype()).");
+      fail(errc::invalid_dtype, {"values of ", holder, " are ", to_string(storage->dtype), ", asked for as ",
+                                 to_string(dtype_of<W>), " (use the element type of dtype())."});
     }
   }
   /// Whether segment `position` of `storage` is present (false without storage).

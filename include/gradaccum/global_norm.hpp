@@ -81,7 +81,7 @@ double add_block_sums(std::span<const W> x, double total) noexcept {
 
 inline void check_max_norm(double max_norm) {
   if (!(max_norm >= 0.0)) {
-    fail(errc::invalid_scalar, "max_norm " + number_text(max_norm) + " is not a non-negative number.");
+    fail(errc::invalid_scalar, {"max_norm ", max_norm, " is not a non-negative number."});
   }
 }
 

@@ -366,19 +366,18 @@ class gradients_accumulator {
   /// this window, not from this call's gradients, and the message says so.
   [[noreturn, gnu::cold]] static void fail_pending_unknown(std::string_view id) {
     detail::fail(errc::unknown_parameters,
-                 "gradient '" + std::string(id) +
-                     "', pending in this window from an earlier call, names no parameter of the parameter set "
-                     "passed now; finish the window with the set it was accumulated with before switching to a "
-                     "set without it.",
-                 std::string(id));
+                 {"gradient '", id,
+                  "', pending in this window from an earlier call, names no parameter of the parameter set "
+                  "passed now; finish the window with the set it was accumulated with before switching to a "
+                  "set without it."},
+                 id);
   }
   [[noreturn, gnu::cold]] static void fail_pending_shape(const typename flat_gradients<B>::entry& e,
                                                          const tensor_shape& shape) {
     detail::fail(errc::parameter_mismatch,
-                 "gradient '" + std::string(e.id) + "', pending in this window from an earlier call, has shape " +
-                     e.shape.to_string() + " but its parameter in the parameter set passed now has shape " +
-                     shape.to_string() + ".",
-                 std::string(e.id));
+                 {"gradient '", e.id, "', pending in this window from an earlier call, has shape ", e.shape.dims(),
+                  " but its parameter in the parameter set passed now has shape ", shape.dims(), "."},
+                 e.id);
   }
 
   /// The layout for `params`: the current one while it was laid out for this set, else new.
@@ -451,9 +450,7 @@ class gradients_accumulator {
   static void require_pending_dtype(std::string_view id, float_dtype dtype) {
     if (!is_work_dtype(dtype)) {
       detail::fail(errc::invalid_dtype,
-                   "pending tensor '" + std::string(id) + "' has dtype " + std::string(to_string(dtype)) +
-                       "; pending sums are F32 or F64.",
-                   std::string(id));
+                   {"pending tensor '", id, "' has dtype ", to_string(dtype), "; pending sums are F32 or F64."}, id);
     }
   }
 

@@ -90,10 +90,10 @@ class gradients_params {
   void insert(std::string_view id, X&& value) {
     if (find(id)) [[unlikely]] {
       detail::fail(errc::invalid_record,
-                   "gradient '" + std::string(id) +
-                       "' is present already; insert_or_assign replaces it (to sum two gradients, accumulate them "
-                       "in separate microbatches).",
-                   std::string(id));
+                   {"gradient '", id,
+                    "' is present already; insert_or_assign replaces it (to sum two gradients, accumulate them "
+                    "in separate microbatches)."},
+                   id);
     }
     insert_or_assign(id, std::forward<X>(value));
   }
@@ -394,18 +394,17 @@ class gradients_params {
                                    const tensor_shape& shape) {
     const auto position = params.find(id);
     if (!position) {
-      detail::fail(errc::unknown_parameters, "record tensor '" + id + "' names no parameter of the parameter set.", id);
+      detail::fail(errc::unknown_parameters, {"record tensor '", id, "' names no parameter of the parameter set."}, id);
     }
     if (!detail::same_shape<B>(shape, params[*position].shape)) {
       detail::fail(errc::parameter_mismatch,
-                   "record tensor '" + id + "' has shape " + shape.to_string() + " but its parameter has shape " +
-                       params[*position].shape.to_string() + ".",
+                   {"record tensor '", id, "' has shape ", shape.dims(), " but its parameter has shape ",
+                    params[*position].shape.dims(), "."},
                    id);
     }
     if (!supports(dtype)) {
       detail::fail(errc::invalid_dtype,
-                   "record tensor '" + id + "' has dtype " + std::string(to_string(dtype)) +
-                       ", which this backend has no element type for.",
+                   {"record tensor '", id, "' has dtype ", to_string(dtype), ", which this backend has no element type for."},
                    id);
     }
     return *position;

@@ -86,13 +86,12 @@ class parameter_set {
       const parameter& tied = params_[*position];
       if (!detail::same_shape<B>(tied.shape, shape)) {
         detail::fail(errc::parameter_mismatch,
-                     "tied parameter '" + std::string(id) + "' was added with shape " + tied.shape.to_string() +
-                         " and again with shape " + shape.to_string() + ".",
-                     std::string(id));
+                     {"tied parameter '", id, "' was added with shape ", tied.shape.dims(), " and again with shape ",
+                      shape.dims(), "."},
+                     id);
       }
       if (!(tied.device == device)) {
-        detail::fail(errc::parameter_mismatch,
-                     "tied parameter '" + std::string(id) + "' was added again on another device.", std::string(id));
+        detail::fail(errc::parameter_mismatch, {"tied parameter '", id, "' was added again on another device."}, id);
       }
       return *position;
     }

@@ -29,8 +29,8 @@ class tensor_shape {
   template <class Int>
   constexpr explicit tensor_shape(std::span<const Int> dims) {
     if (dims.size() > max_rank) {
-      detail::fail(errc::invalid_record, "a tensor of rank " + std::to_string(dims.size()) +
-                                             " exceeds the supported rank " + std::to_string(max_rank) + ".");
+      detail::fail(errc::invalid_record,
+                   {"a tensor of rank ", dims.size(), " exceeds the supported rank ", max_rank, "."});
     }
     std::copy(dims.begin(), dims.end(), dims_.begin());
     rank_ = static_cast<std::uint8_t>(dims.size());
@@ -54,12 +54,9 @@ class tensor_shape {
 
   /// @brief "[3, 4]".
   [[nodiscard]] std::string to_string() const {
-    std::string text = "[";
-    for (std::size_t axis = 0; axis < rank_; ++axis) {
-      if (axis != 0) text += ", ";
-      text += std::to_string(dims_[axis]);
-    }
-    return text + "]";
+    std::string text;
+    detail::append_dims(text, dims());
+    return text;
   }
 
   // Unused trailing dimensions are always zero, so member-wise equality is shape equality.

@@ -262,14 +262,12 @@ class weighted_gradients_accumulator {
   }
 
   [[noreturn, gnu::cold, gnu::noinline]] static void fail_weight(double weight, float_dtype dtype) {
-    detail::fail(errc::invalid_weight, "microbatch weight " + detail::number_text(weight) +
-                                           " is not a non-negative value representable in " +
-                                           std::string(to_string(dtype)) + ".");
+    detail::fail(errc::invalid_weight,
+                 {"microbatch weight ", weight, " is not a non-negative value representable in ", to_string(dtype), "."});
   }
   [[noreturn, gnu::cold, gnu::noinline]] static void fail_total(double weight, float_dtype dtype) {
-    detail::fail(errc::invalid_weight, "adding weight " + detail::number_text(weight) +
-                                           " makes the total weight unrepresentable in " +
-                                           std::string(to_string(dtype)) + ".");
+    detail::fail(errc::invalid_weight,
+                 {"adding weight ", weight, " makes the total weight unrepresentable in ", to_string(dtype), "."});
   }
   [[noreturn, gnu::cold, gnu::noinline]] static void fail_counter() {
     detail::fail(errc::counter_overflow, "the microbatch counter of this window cannot be incremented.");
@@ -277,7 +275,7 @@ class weighted_gradients_accumulator {
 
   static void require_loss_scale(double loss_scale, float_dtype dtype) {
     if (loss_scale <= 0.0) {
-      detail::fail(errc::invalid_scalar, "loss scale " + detail::number_text(loss_scale) + " is not positive.");
+      detail::fail(errc::invalid_scalar, {"loss scale ", loss_scale, " is not positive."});
     }
     detail::require_scalar(loss_scale, dtype, true);
   }

@@ -15,22 +15,19 @@ namespace gradaccum::detail {
 
 template <class B>
 [[noreturn]] void fail_unknown(std::string_view id) {
-  fail(errc::unknown_parameters, "gradient '" + std::string(id) + "' names no parameter of the parameter set.",
-       std::string(id));
+  fail(errc::unknown_parameters, {"gradient '", id, "' names no parameter of the parameter set."}, id);
 }
 
 /// Checks that the gradient `id` has the shape and device of `param`; throws parameter_mismatch.
 template <class B, class X>
 void check_geometry(const typename parameter_set<B>::parameter& param, std::string_view id, const X& value) {
-  if (!same_shape<B>(shape_of<B>(value, id), param.shape)) {
+  const tensor_shape shape = shape_of<B>(value, id);
+  if (!same_shape<B>(shape, param.shape)) {
     fail(errc::parameter_mismatch,
-         "gradient '" + std::string(id) + "' has shape " + shape_of<B>(value, id).to_string() +
-             " but its parameter has shape " + param.shape.to_string() + ".",
-         std::string(id));
+         {"gradient '", id, "' has shape ", shape.dims(), " but its parameter has shape ", param.shape.dims(), "."}, id);
   }
   if (!(B::device(value) == param.device)) {
-    fail(errc::parameter_mismatch, "gradient '" + std::string(id) + "' is on another device than its parameter.",
-         std::string(id));
+    fail(errc::parameter_mismatch, {"gradient '", id, "' is on another device than its parameter."}, id);
   }
 }
 
@@ -57,17 +54,15 @@ decltype(auto) visit_work_dtype(float_dtype dtype, F&& f) {
 
 inline void require_work_dtype(float_dtype dtype) {
   if (!is_work_dtype(dtype)) {
-    fail(errc::invalid_dtype,
-         "dtype " + std::string(to_string(dtype)) + " cannot be used for arithmetic; use F32 or F64.");
+    fail(errc::invalid_dtype, {"dtype ", to_string(dtype), " cannot be used for arithmetic; use F32 or F64."});
   }
 }
 
 inline void require_scalar(double value, float_dtype dtype, bool divisor) {
   const bool narrows_to_zero = dtype == float_dtype::f32 && static_cast<float>(value) == 0.0F && value != 0.0;
   if (!representable(value, dtype) || narrows_to_zero || (divisor && value == 0.0)) {
-    fail(errc::invalid_scalar, std::string(divisor ? "divisor " : "multiplier ") + detail::number_text(value) +
-                                   " is not representable as a " + (divisor ? "non-zero " : "") +
-                                   std::string(to_string(dtype)) + " value.");
+    fail(errc::invalid_scalar, {divisor ? "divisor " : "multiplier ", value, " is not representable as a ",
+                                divisor ? "non-zero " : "", to_string(dtype), " value."});
   }
 }
 

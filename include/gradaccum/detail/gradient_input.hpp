@@ -244,7 +244,7 @@ decltype(auto) as_alternative(std::string_view id, X&& x) {
   } catch (const error& problem) {
     if (problem.code() != errc::invalid_record && !problem.param_id().empty()) throw;
     fail(problem.code() == errc::invalid_record ? errc::parameter_mismatch : problem.code(),
-         "tensor '" + std::string(id) + "' cannot be used: " + problem.what(), std::string(id));
+         {"tensor '", id, "' cannot be used: ", problem.what()}, id);
   }
 }
 

@@ -252,7 +252,7 @@ struct eigen_backend {
   static tensor<T> from_row_major(std::span<const T> values, const tensor_shape& s, const device_type& /*device*/) {
     if (s.rank() > 2) {
       detail::fail(errc::parameter_mismatch,
-                   "an Eigen matrix cannot hold a tensor of shape " + s.to_string() + "; accumulate it instead.");
+                   {"an Eigen matrix cannot hold a tensor of shape ", s.dims(), "; accumulate it instead."});
     }
     const auto [rows, cols] = rows_cols(s);
     return Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(values.data(), rows,
