@@ -6,6 +6,7 @@
 /// checkpointed after k microbatches, restored into a new accumulator and continued finishes
 /// bit-identically to the uninterrupted window.
 
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -116,6 +117,24 @@ TEST_CASE_TEMPLATE("the record's parse_checkpoint and serialize_checkpoint agree
   GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(bytes, Archives::format), record);
   GRADACCUM_CHECK_SAME_BITS((load_plain<Archives, weighted_gradients_record>(bytes)), record);
   GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(save_plain<Archives>(record), Archives::format),
+                            record);
+}
+
+TEST_CASE("a portable binary checkpoint of the other byte order loads as cereal's own archive reads it") {
+  // What a machine of the other byte order writes: cereal's portable binary archive with that
+  // order's byte and every number swapped.
+  using options = cereal::PortableBinaryOutputArchive::Options;
+  const weighted_gradients_record record = window_record<eigen_backend>(4);
+  std::ostringstream out;
+  {
+    cereal::PortableBinaryOutputArchive archive(
+        out, std::endian::native == std::endian::little ? options::BigEndian() : options::LittleEndian());
+    archive(record);
+  }
+  const std::string foreign = out.str();
+  REQUIRE(foreign != save_plain<portable_binary_archives>(record));
+  GRADACCUM_CHECK_SAME_BITS((load_plain<portable_binary_archives, weighted_gradients_record>(foreign)), record);
+  GRADACCUM_CHECK_SAME_BITS(parse_checkpoint<weighted_gradients_record>(foreign, checkpoint_format::portable_binary),
                             record);
 }
 

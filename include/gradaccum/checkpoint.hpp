@@ -40,8 +40,9 @@
 /// moving a file between machines of other byte orders), `.json` (for people and tools: reading,
 /// diffing). Problems with the file itself (missing, unreadable, not regular, disk full, unknown
 /// extension) throw `std::filesystem::filesystem_error` naming the path; running out of memory
-/// throws `std::bad_alloc`. JSON files are written and read by the library's own archives
-/// (`checkpoint/text_archives.hpp`), binary ones by cereal's.
+/// throws `std::bad_alloc`. The files hold the bytes cereal's archives write, written and read
+/// by the library's own: one archive pair for both binary formats
+/// (`checkpoint/binary_archives.hpp`) and JSON ones (`checkpoint/text_archives.hpp`).
 
 #include <concepts>
 #include <cstdint>

@@ -20,11 +20,9 @@
 #include <type_traits>
 #include <utility>
 
-#include <cereal/archives/binary.hpp>
-#include <cereal/archives/portable_binary.hpp>
-
 #include "gradaccum/cereal.hpp"
 #include "gradaccum/checkpoint.hpp"
+#include "gradaccum/checkpoint/binary_archives.hpp"
 #include "gradaccum/checkpoint/posix_file.hpp"
 #include "gradaccum/checkpoint/tensor_sink.hpp"
 #include "gradaccum/checkpoint/text_archives.hpp"
@@ -38,41 +36,27 @@ namespace detail {
 
 // ---- Formats -----------------------------------------------------------------------------------
 
-/// The archives checkpoint files are read and written with: cereal's binary ones and the
-/// library's JSON archives (see `checkpoint/text_archives.hpp`).
-template <checkpoint_format F>
-struct checkpoint_archives_of;
-template <>
-struct checkpoint_archives_of<checkpoint_format::binary> {
-  using input = cereal::BinaryInputArchive;
-  using output = cereal::BinaryOutputArchive;
+constexpr bool is_text_format(checkpoint_format format) noexcept {
+  return format == checkpoint_format::json;
+}
+
+/// The archives checkpoint files are read and written with: one pair for both binary formats
+/// (see `checkpoint/binary_archives.hpp`) and the library's JSON archives (see
+/// `checkpoint/text_archives.hpp`). Each opens a stream as `format` asks.
+struct binary_archives {
+  using input = binary_input_archive;
+  using output = binary_output_archive;
 };
-template <>
-struct checkpoint_archives_of<checkpoint_format::portable_binary> {
-  using input = cereal::PortableBinaryInputArchive;
-  using output = cereal::PortableBinaryOutputArchive;
-};
-template <>
-struct checkpoint_archives_of<checkpoint_format::json> {
+struct text_archives {
   using input = json_input_archive;
   using output = json_output_archive;
 };
 
-/// Calls `f.template operator()<checkpoint_archives_of<format>>()`.
+/// Calls `f.template operator()<binary_archives or text_archives>()`.
 template <class F>
 decltype(auto) visit_format(checkpoint_format format, F&& f) {
-  switch (format) {
-    case checkpoint_format::portable_binary:
-      return std::forward<F>(f).template operator()<checkpoint_archives_of<checkpoint_format::portable_binary>>();
-    case checkpoint_format::json:
-      return std::forward<F>(f).template operator()<checkpoint_archives_of<checkpoint_format::json>>();
-    case checkpoint_format::binary: break;
-  }
-  return std::forward<F>(f).template operator()<checkpoint_archives_of<checkpoint_format::binary>>();
-}
-
-constexpr bool is_text_format(checkpoint_format format) noexcept {
-  return format == checkpoint_format::json;
+  if (is_text_format(format)) return std::forward<F>(f).template operator()<text_archives>();
+  return std::forward<F>(f).template operator()<binary_archives>();
 }
 
 /// The name of the outermost node, which tells text readers what the document holds; a view
@@ -99,7 +83,13 @@ template <class R>
 void write_record(std::ostream& out, const R& record, checkpoint_format format,
                   const dynamic_loss_scale_state* scale = nullptr) {
   visit_format(format, [&]<class Archives>() {
-    typename Archives::output archive(out);
+    typename Archives::output archive = [&]() -> typename Archives::output {
+      if constexpr (std::is_same_v<Archives, text_archives>) {
+        return typename Archives::output(out);
+      } else {
+        return typename Archives::output(out, format == checkpoint_format::portable_binary);
+      }
+    }();
     archive(cereal::make_nvp(record_name<R>(), record));
     if (scale != nullptr) archive(cereal::make_nvp(loss_scale_node, *scale));
     if constexpr (requires { archive.finish(); }) archive.finish();
@@ -192,7 +182,7 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
         read_scale(archive, archive.root_members() > 1);
         if (archive.root_members() > (scale != nullptr && scale->has_value() ? 2U : 1U)) refuse_more();
       } else {
-        sized_input_archive<input> archive(source);
+        sized_input_archive<input> archive(source, format == checkpoint_format::portable_binary);
         archive(into);
         read_scale(archive, source.remaining() != 0);
       }
