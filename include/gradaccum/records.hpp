@@ -125,16 +125,17 @@ struct tensor_view {
 };
 
 inline tensor_view view_of(const tensor_record& tensor) noexcept {
-  // get_if, not std::visit: this inline function is compiled wherever records.hpp is included.
+  // get_if, not std::visit, and spans from pointer and size, not from the vectors (which checks
+  // the ranges concepts): this inline function is compiled wherever records.hpp is included.
   values_view values;
   if (const auto* bits = std::get_if<std::vector<std::uint16_t>>(&tensor.values)) {
-    values = std::span<const std::uint16_t>(*bits);
+    values = std::span<const std::uint16_t>(bits->data(), bits->size());
   } else if (const auto* f32 = std::get_if<std::vector<float>>(&tensor.values)) {
-    values = std::span<const float>(*f32);
+    values = std::span<const float>(f32->data(), f32->size());
   } else if (const auto* f64 = std::get_if<std::vector<double>>(&tensor.values)) {
-    values = std::span<const double>(*f64);
+    values = std::span<const double>(f64->data(), f64->size());
   }
-  return {tensor.id, tensor.dtype, tensor.shape, values};
+  return {tensor.id, tensor.dtype, std::span<const std::uint64_t>(tensor.shape.data(), tensor.shape.size()), values};
 }
 
 /// @brief A `gradients_params_record` of borrowed tensors, in record order.
