@@ -186,9 +186,9 @@ inline dynamic_loss_scale::dynamic_loss_scale(const dynamic_loss_scale_options& 
   if (options.hysteresis == 0) reject("hysteresis", 0.0);
   if (!detail::reachable_scale(options, state.scale) || state.growth_tracker >= options.growth_interval ||
       state.hysteresis_left == 0 || state.hysteresis_left > options.hysteresis) {
-    detail::fail(errc::invalid_state, {"dynamic loss scale state (scale ", state.scale, ", growth_tracker ",
-                                       state.growth_tracker, ", hysteresis_left ", state.hysteresis_left,
-                                       ") cannot be reached with these options."});
+    detail::fail(errc::invalid_state,
+                 {"dynamic loss scale state (scale ", state.scale, ", growth_tracker ", state.growth_tracker,
+                  ", hysteresis_left ", state.hysteresis_left, ") cannot be reached with these options."});
   }
 }
 

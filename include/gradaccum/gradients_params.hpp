@@ -403,9 +403,10 @@ class gradients_params {
                    id);
     }
     if (!supports(dtype)) {
-      detail::fail(errc::invalid_dtype,
-                   {"record tensor '", id, "' has dtype ", to_string(dtype), ", which this backend has no element type for."},
-                   id);
+      detail::fail(
+          errc::invalid_dtype,
+          {"record tensor '", id, "' has dtype ", to_string(dtype), ", which this backend has no element type for."},
+          id);
     }
     return *position;
   }

@@ -262,8 +262,8 @@ class weighted_gradients_accumulator {
   }
 
   [[noreturn, gnu::cold, gnu::noinline]] static void fail_weight(double weight, float_dtype dtype) {
-    detail::fail(errc::invalid_weight,
-                 {"microbatch weight ", weight, " is not a non-negative value representable in ", to_string(dtype), "."});
+    detail::fail(errc::invalid_weight, {"microbatch weight ", weight, " is not a non-negative value representable in ",
+                                        to_string(dtype), "."});
   }
   [[noreturn, gnu::cold, gnu::noinline]] static void fail_total(double weight, float_dtype dtype) {
     detail::fail(errc::invalid_weight,

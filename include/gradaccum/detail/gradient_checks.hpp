@@ -24,7 +24,8 @@ void check_geometry(const typename parameter_set<B>::parameter& param, std::stri
   const tensor_shape shape = shape_of<B>(value, id);
   if (!same_shape<B>(shape, param.shape)) {
     fail(errc::parameter_mismatch,
-         {"gradient '", id, "' has shape ", shape.dims(), " but its parameter has shape ", param.shape.dims(), "."}, id);
+         {"gradient '", id, "' has shape ", shape.dims(), " but its parameter has shape ", param.shape.dims(), "."},
+         id);
   }
   if (!(B::device(value) == param.device)) {
     fail(errc::parameter_mismatch, {"gradient '", id, "' is on another device than its parameter."}, id);
