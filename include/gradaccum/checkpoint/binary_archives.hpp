@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <istream>
@@ -87,21 +88,16 @@ void CEREAL_LOAD_FUNCTION_NAME(binary_input_archive& ar, T& value) {
   ar.loadBinary(std::addressof(value), sizeof(T), sizeof(T));
 }
 
-template <class T>
-void CEREAL_SAVE_FUNCTION_NAME(binary_output_archive& ar, const cereal::NameValuePair<T>& pair) {
-  ar(pair.value);
-}
-template <class T>
-void CEREAL_LOAD_FUNCTION_NAME(binary_input_archive& ar, cereal::NameValuePair<T>& pair) {
-  ar(pair.value);
-}
+/// Names are not written; sizes are plain numbers (as cereal's binary archives do).
+template <class Archive>
+concept binary_archive = std::same_as<Archive, binary_output_archive> || std::same_as<Archive, binary_input_archive>;
 
-template <class T>
-void CEREAL_SAVE_FUNCTION_NAME(binary_output_archive& ar, const cereal::SizeTag<T>& size) {
-  ar(size.size);
+template <binary_archive Archive, class T>
+void CEREAL_SERIALIZE_FUNCTION_NAME(Archive& ar, cereal::NameValuePair<T>& pair) {
+  ar(pair.value);
 }
-template <class T>
-void CEREAL_LOAD_FUNCTION_NAME(binary_input_archive& ar, cereal::SizeTag<T>& size) {
+template <binary_archive Archive, class T>
+void CEREAL_SERIALIZE_FUNCTION_NAME(Archive& ar, cereal::SizeTag<T>& size) {
   ar(size.size);
 }
 

@@ -40,24 +40,6 @@ constexpr bool is_text_format(checkpoint_format format) noexcept {
   return format == checkpoint_format::json;
 }
 
-/// The archives checkpoint files are read and written with: one pair for both binary formats
-/// (see `checkpoint/binary_archives.hpp`) and the library's JSON archives (see
-/// `checkpoint/text_archives.hpp`). Each opens a stream as `format` asks.
-struct binary_archives {
-  using input = binary_input_archive;
-  using output = binary_output_archive;
-};
-struct text_archives {
-  using input = json_input_archive;
-  using output = json_output_archive;
-};
-
-/// Calls `f.template operator()<binary_archives or text_archives>()`.
-template <class F>
-decltype(auto) visit_format(checkpoint_format format, F&& f) {
-  if (is_text_format(format)) return std::forward<F>(f).template operator()<text_archives>();
-  return std::forward<F>(f).template operator()<binary_archives>();
-}
 
 /// The name of the outermost node, which tells text readers what the document holds; a view
 /// is written as the record it borrows from.
@@ -76,24 +58,25 @@ constexpr const char* record_name() noexcept {
 /// The name of the node that follows a window's record in a file that also holds its loss scale.
 inline constexpr const char* loss_scale_node = "dynamic_loss_scale_state";
 
-/// Writes a record or a view of one, then `scale` when given. The library's text archives
-/// complete their document in `finish()`, so a save that throws midway leaves an unfinished one
-/// and never terminates.
+/// Writes a record or a view of one, then `scale` when given: JSON with the library's archive
+/// (`checkpoint/text_archives.hpp`), which completes its document in `finish()`, so a save that
+/// throws midway leaves an unfinished one and never terminates; both binary formats with one
+/// archive (`checkpoint/binary_archives.hpp`).
 template <class R>
 void write_record(std::ostream& out, const R& record, checkpoint_format format,
                   const dynamic_loss_scale_state* scale = nullptr) {
-  visit_format(format, [&]<class Archives>() {
-    typename Archives::output archive = [&]() -> typename Archives::output {
-      if constexpr (std::is_same_v<Archives, text_archives>) {
-        return typename Archives::output(out);
-      } else {
-        return typename Archives::output(out, format == checkpoint_format::portable_binary);
-      }
-    }();
+  const auto write = [&](auto& archive) {
     archive(cereal::make_nvp(record_name<R>(), record));
     if (scale != nullptr) archive(cereal::make_nvp(loss_scale_node, *scale));
-    if constexpr (requires { archive.finish(); }) archive.finish();
-  });
+  };
+  if (is_text_format(format)) {
+    json_output_archive archive(out);
+    write(archive);
+    archive.finish();
+  } else {
+    binary_output_archive archive(out, format == checkpoint_format::portable_binary);
+    write(archive);
+  }
 }
 
 // ---- Reading -------------------------------------------------------------------------------------
@@ -174,19 +157,16 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
                                    (is_text_format(format) ? "" : ": the input is truncated") + " (" + cause + ").");
   };
   try {
-    visit_format(format, [&]<class Archives>() {
-      using input = typename Archives::input;
-      if constexpr (std::is_same_v<input, json_input_archive>) {
-        input archive(text);
-        archive(into);
-        read_scale(archive, archive.root_members() > 1);
-        if (archive.root_members() > (scale != nullptr && scale->has_value() ? 2U : 1U)) refuse_more();
-      } else {
-        sized_input_archive<input> archive(source, format == checkpoint_format::portable_binary);
-        archive(into);
-        read_scale(archive, source.remaining() != 0);
-      }
-    });
+    if (is_text_format(format)) {
+      json_input_archive archive(text);
+      archive(into);
+      read_scale(archive, archive.root_members() > 1);
+      if (archive.root_members() > (scale != nullptr && scale->has_value() ? 2U : 1U)) refuse_more();
+    } else {
+      sized_input_archive<binary_input_archive> archive(source, format == checkpoint_format::portable_binary);
+      archive(into);
+      read_scale(archive, source.remaining() != 0);
+    }
   } catch (const cereal::Exception& e) {
     fail_with(e.what());
   } catch (const std::logic_error& e) {
