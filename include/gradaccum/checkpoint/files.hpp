@@ -40,7 +40,6 @@ constexpr bool is_text_format(checkpoint_format format) noexcept {
   return format == checkpoint_format::json;
 }
 
-
 /// The name of the outermost node, which tells text readers what the document holds; a view
 /// is written as the record it borrows from.
 template <class R>
