@@ -260,8 +260,7 @@ class gradients_accumulator {
   [[gnu::noinline]] static void check_owned(const parameter_set<B>& params, const gradients_params<B>& grads) {
     for (const auto& e : grads) {
       if (gradients_params<B>::is_view(e.value)) continue;
-      detail::visit_gradient([&](const auto& value) { detail::check_geometry<B>(params[e.position], e.id, value); },
-                             e.value);
+      detail::check_geometry<B>(params[e.position], e.id, detail::geometry_of<B>(e.value, e.id));
     }
   }
 
@@ -272,8 +271,7 @@ class gradients_accumulator {
     positions_.reserve(grads.size());
     std::size_t hint = 0;
     for (const auto& e : grads) {
-      const std::size_t position = detail::visit_gradient(
-          [&](const auto& value) { return detail::resolve(params, e.id, value, hint); }, e.value);
+      const std::size_t position = detail::resolve(params, e.id, e.value, hint);
       positions_.push_back(position);
       hint = position + 1;
     }

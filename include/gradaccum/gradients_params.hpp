@@ -177,9 +177,7 @@ class gradients_params {
   void validate_for(const parameter_set<B>& params) const {
     std::size_t hint = 0;
     for (const entry& e : entries_) {
-      hint = detail::visit_gradient([&](const auto& value) { return detail::resolve(params, e.id, value, hint); },
-                                    e.value) +
-             1;
+      hint = detail::resolve(params, e.id, e.value, hint) + 1;
     }
   }
 
@@ -302,10 +300,7 @@ class gradients_params {
     if constexpr (!std::is_same_v<stored, std::remove_cvref_t<A>>) {
       if (position) {  // a view re-seats its slot: nothing allocates
         value_type replacement(std::in_place_type<stored>, std::forward<A>(value));
-        const std::size_t parameter =
-            params_ ? detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); },
-                                             replacement)
-                    : 0;
+        const std::size_t parameter = params_ ? detail::resolve(*params_, id, replacement, 0) : 0;
         owned_ -= is_view(entries_[*position].value) ? 0 : 1;
         entries_[*position].value = std::move(replacement);
         entries_[*position].adds = &detail::adds_of<B, stored>;
@@ -318,8 +313,7 @@ class gradients_params {
       entry* made = construct_entry<stored>(node, std::string(id), std::forward<A>(value));
       if (params_) {
         try {
-          made->position =
-              detail::visit_gradient([&](const auto& v) { return detail::resolve(*params_, id, v, 0); }, made->value);
+          made->position = detail::resolve(*params_, id, made->value, 0);
         } catch (...) {
           std::destroy_at(made);
           throw;

@@ -124,20 +124,6 @@ struct tensor_view {
   values_view values;
 };
 
-inline tensor_view view_of(const tensor_record& tensor) noexcept {
-  // get_if, not std::visit, and spans from pointer and size, not from the vectors (which checks
-  // the ranges concepts): this inline function is compiled wherever records.hpp is included.
-  values_view values;
-  if (const auto* bits = std::get_if<std::vector<std::uint16_t>>(&tensor.values)) {
-    values = std::span<const std::uint16_t>(bits->data(), bits->size());
-  } else if (const auto* f32 = std::get_if<std::vector<float>>(&tensor.values)) {
-    values = std::span<const float>(f32->data(), f32->size());
-  } else if (const auto* f64 = std::get_if<std::vector<double>>(&tensor.values)) {
-    values = std::span<const double>(f64->data(), f64->size());
-  }
-  return {tensor.id, tensor.dtype, std::span<const std::uint64_t>(tensor.shape.data(), tensor.shape.size()), values};
-}
-
 /// @brief A `gradients_params_record` of borrowed tensors, in record order.
 struct gradients_view {
   std::span<const tensor_view> tensors;
@@ -162,38 +148,36 @@ inline void validate(const gradients_params_record& record) {
   for (const tensor_record& tensor : record.tensors) {
     if (tensor.id.size() > max_id_length) {
       detail::fail(errc::invalid_record,
-                   "record tensor id of " + std::to_string(tensor.id.size()) + " bytes is longer than the " +
-                       std::to_string(max_id_length) + " allowed.",
-                   tensor.id.substr(0, 64));
+                   {"record tensor id of ", tensor.id.size(), " bytes is longer than the ", max_id_length, " allowed."},
+                   std::string_view(tensor.id).substr(0, 64));
     }
     const tensor_shape shape = [&] {
       if (tensor.shape.size() > max_rank) {
         detail::fail(errc::invalid_record,
-                     "record tensor " + detail::quote(tensor.id) + " has rank " + std::to_string(tensor.shape.size()) +
-                         ", more than the supported " + std::to_string(max_rank) + ".",
+                     {"record tensor ", detail::quote(tensor.id), " has rank ", tensor.shape.size(),
+                      ", more than the supported ", max_rank, "."},
                      tensor.id);
       }
       return detail::record_shape(tensor);
     }();
     if (tensor.values.index() != detail::values_index(tensor.dtype)) {
       detail::fail(errc::invalid_record,
-                   "record tensor " + detail::quote(tensor.id) + " holds values of another dtype than its " +
-                       std::string(to_string(tensor.dtype)) + ".",
+                   {"record tensor ", detail::quote(tensor.id), " holds values of another dtype than its ",
+                    to_string(tensor.dtype), "."},
                    tensor.id);
     }
     const auto count = shape.checked_element_count();
     if (!count || *count != detail::values_size(tensor.values)) {
       detail::fail(errc::invalid_record,
-                   "record tensor " + detail::quote(tensor.id) + " has " +
-                       std::to_string(detail::values_size(tensor.values)) + " values for shape " + shape.to_string() +
-                       ".",
+                   {"record tensor ", detail::quote(tensor.id), " has ", detail::values_size(tensor.values),
+                    " values for shape ", shape.dims(), "."},
                    tensor.id);
     }
   }
   // Records list tensors sorted by id, so a duplicate is a neighbour: one pass. Only a record
   // in another order needs sorting (thousands of ids sharing long prefixes sort slowly).
   const auto fail_duplicate = [](const std::string& id) {
-    detail::fail(errc::invalid_record, "record lists tensor " + detail::quote(id) + " twice.", id);
+    detail::fail(errc::invalid_record, {"record lists tensor ", detail::quote(id), " twice."}, id);
   };
   const auto by_id = [](const tensor_record& a, const tensor_record& b) { return a.id < b.id; };
   if (std::is_sorted(record.tensors.begin(), record.tensors.end(), by_id)) {
@@ -215,23 +199,23 @@ inline void validate(const gradients_params_record& record) {
 /// representable non-negative total weight, and no weight without microbatches.
 /// @throws error(errc::invalid_state) naming the problem.
 inline void validate(const weighted_accumulation_state& state) {
-  const auto reject = [](const std::string& why) { detail::fail(errc::invalid_state, "accumulation state " + why); };
   if (!is_work_dtype(state.dtype)) {
-    reject("has work dtype " + std::string(to_string(state.dtype)) + "; only F32 and F64 are work dtypes.");
+    detail::fail(errc::invalid_state,
+                 {"accumulation state has work dtype ", to_string(state.dtype), "; only F32 and F64 are work dtypes."});
   }
   const bool f32 = state.dtype == float_dtype::f32;
   if (!representable(state.loss_scale, state.dtype) || state.loss_scale <= 0.0 ||
       (f32 && static_cast<float>(state.loss_scale) == 0.0F)) {
-    reject("has loss scale " + detail::number_text(state.loss_scale) +
-           ", which is not a positive representable value.");
+    detail::fail(errc::invalid_state, {"accumulation state has loss scale ", state.loss_scale,
+                                       ", which is not a positive representable value."});
   }
   if (!representable(state.total_weight, state.dtype) || state.total_weight < 0.0 ||
       (f32 && state.total_weight > 0.0 && static_cast<float>(state.total_weight) == 0.0F)) {
-    reject("has total weight " + detail::number_text(state.total_weight) +
-           ", which is not a non-negative representable value.");
+    detail::fail(errc::invalid_state, {"accumulation state has total weight ", state.total_weight,
+                                       ", which is not a non-negative representable value."});
   }
   if (state.microbatches == 0 && state.total_weight != 0.0) {
-    reject("has a non-zero total weight but no microbatches.");
+    detail::fail(errc::invalid_state, {"accumulation state has a non-zero total weight but no microbatches."});
   }
 }
 
@@ -245,13 +229,13 @@ template <class ForEach>
 void check_pending_against(const weighted_accumulation_state& state, std::size_t pending_count,
                            ForEach&& for_each_tensor) {
   if (state.total_weight == 0.0 && pending_count != 0) {
-    fail(errc::invalid_state, "accumulation state has zero total weight but pending gradients.");
+    fail(errc::invalid_state, {"accumulation state has zero total weight but pending gradients."});
   }
   for_each_tensor([&](const std::string& id, float_dtype dtype) {
     if (dtype != state.dtype) {
       fail(errc::invalid_state,
-           "pending tensor " + quote(id) + " has dtype " + std::string(to_string(dtype)) +
-               " but the accumulation state's work dtype is " + std::string(to_string(state.dtype)) + ".",
+           {"pending tensor ", quote(id), " has dtype ", to_string(dtype),
+            " but the accumulation state's work dtype is ", to_string(state.dtype), "."},
            id);
     }
   });

@@ -5,8 +5,11 @@
 
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 
 #include "gradaccum/backend.hpp"
+#include "gradaccum/detail/variant.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/parameter_set.hpp"
@@ -18,26 +21,46 @@ template <class B>
   fail(errc::unknown_parameters, {"gradient '", id, "' names no parameter of the parameter set."}, id);
 }
 
-/// Checks that the gradient `id` has the shape and device of `param`; throws parameter_mismatch.
+/// A gradient's shape and device: what its parameter's are compared with. Read by one small
+/// function per tensor or view type, so that the comparison and its messages compile once per
+/// backend, not once per alternative of a stored gradient.
+template <class B>
+struct geometry {
+  tensor_shape shape;
+  typename B::device_type device;
+};
+
+/// The geometry of `value`: a tensor or view of B, or a stored gradient holding one.
 template <class B, class X>
-void check_geometry(const typename parameter_set<B>::parameter& param, std::string_view id, const X& value) {
-  const tensor_shape shape = shape_of<B>(value, id);
-  if (!same_shape<B>(shape, param.shape)) {
+geometry<B> geometry_of(const X& value, std::string_view id) {
+  if constexpr (std::is_same_v<X, gradient_variant_t<B>>) {
+    return visit_gradient([&](const auto& held) { return geometry_of<B>(held, id); }, value);
+  } else {
+    tensor_shape shape = shape_of<B>(value, id);
+    return {std::move(shape), B::device(value)};
+  }
+}
+
+/// Checks that the gradient `id` has the shape and device of `param`; throws parameter_mismatch.
+template <class B>
+void check_geometry(const typename parameter_set<B>::parameter& param, std::string_view id, const geometry<B>& got) {
+  if (!same_shape<B>(got.shape, param.shape)) {
     fail(errc::parameter_mismatch,
-         {"gradient '", id, "' has shape ", shape.dims(), " but its parameter has shape ", param.shape.dims(), "."},
+         {"gradient '", id, "' has shape ", got.shape.dims(), " but its parameter has shape ", param.shape.dims(), "."},
          id);
   }
-  if (!(B::device(value) == param.device)) {
+  if (!(got.device == param.device)) {
     fail(errc::parameter_mismatch, {"gradient '", id, "' is on another device than its parameter."}, id);
   }
 }
 
-/// Position of `id` in `params`, checking geometry; throws unknown_parameters or parameter_mismatch.
+/// Position of `id` in `params`, checking the geometry of `value` (a tensor, view or stored
+/// gradient) there; throws unknown_parameters or parameter_mismatch.
 template <class B, class X>
 std::size_t resolve(const parameter_set<B>& params, std::string_view id, const X& value, std::size_t hint) {
   const auto position = params.find(id, hint);
   if (!position) fail_unknown<B>(id);
-  check_geometry<B>(params[*position], id, value);
+  check_geometry<B>(params[*position], id, geometry_of<B>(value, id));
   return *position;
 }
 
