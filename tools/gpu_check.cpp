@@ -7,7 +7,9 @@
 //   2. a torch::nn module trained on the device: the accumulated mean of token-weighted
 //      microbatches against the gradient of the full batch's mean loss;
 //   3. speed, side by side with the loop a libtorch user writes on the same tensors (medians of
-//      --repetitions windows, the device synchronized before each clock read):
+//      --repetitions windows, the device synchronized before each clock read). gradaccum's
+//      window is a training loop's: torch_gradients of the parameters' .grad() per microbatch,
+//      accumulate, then write_gradients of the mean back into .grad():
 //        8 microbatches of one 64 MiB F32 parameter, accumulate_sum  <= 1.2x  acc.add_(g) then div
 //        the same with accumulate_mean                               <= 2.0x  acc.add_(g, w) then div
 //        8 microbatches of 1,000 parameters of 4 KiB                  >= 2x faster than add_ per parameter
@@ -209,87 +211,95 @@ void speed_line(const options& o, const std::string& what, double ours, double h
   report(ok, line);
 }
 
-void check_speed_large(const options& o) {
-  const std::int64_t n = o.quick ? (1 << 16) : (16 << 20);  // 64 MiB of F32
-  const std::vector<double> weights = {3, 1, 5, 2, 4, 7, 6, 8};
-  const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(o.device);
-  std::vector<at::Tensor> grads;
-  for (std::size_t k = 0; k < weights.size(); ++k) grads.push_back(torch::randn({n}, f32));
-  gradaccum::parameter_set<B> params;
-  params.add("w", torch::zeros({n}, f32));
-  double total = 0;
-  for (const double w : weights) total += w;
-
-  for (const bool mean : {false, true}) {
-    gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
-    std::vector<gradaccum::gradients_params<B>> inputs(grads.size());
-    for (std::size_t k = 0; k < grads.size(); ++k) inputs[k].insert("w", grads[k]);
-    const double ours = median_seconds(o, [&] {
-      for (std::size_t k = 0; k < grads.size(); ++k) {
-        if (mean) {
-          window.accumulate_mean(params, inputs[k], weights[k]);
-        } else {
-          window.accumulate_sum(params, inputs[k], weights[k]);
-        }
-      }
-      const auto result = window.finish_mean(params);
-      (void)result;
-    });
-    at::Tensor acc = torch::zeros({n}, f32);
-    const double hand = median_seconds(o, [&] {
-      acc.zero_();
-      for (std::size_t k = 0; k < grads.size(); ++k) {
-        if (mean) {
-          acc.add_(grads[k], weights[k]);
-        } else {
-          acc.add_(grads[k]);
-        }
-      }
-      acc.div_(total);  // finish_mean divides by the total weight in both modes
-    });
-    speed_line(o,
-               std::string("8 microbatches of one ") + (o.quick ? "256 KiB" : "64 MiB") + " F32 parameter, " +
-                   (mean ? "accumulate_mean vs add_(g, w)" : "accumulate_sum vs add_(g)") + " then div",
-               ours, hand, mean ? 2.0 : 1.2, true);
+/// Trainable parameters of `shape` named p0, p1, ..., on o.device, each with a `.grad()` of its
+/// own (`out`) that write_gradients writes the window's mean into, as it does in training.
+torch::OrderedDict<std::string, at::Tensor> named_parameters(const options& o, int count, std::int64_t elements) {
+  torch::OrderedDict<std::string, at::Tensor> named;
+  for (int i = 0; i < count; ++i) {
+    at::Tensor p = torch::zeros({elements}, torch::TensorOptions().dtype(torch::kFloat).device(o.device));
+    p.set_requires_grad(true);
+    named.insert("p" + std::to_string(i), p);
   }
+  return named;
 }
 
-void check_speed_many_small(const options& o) {
-  const int count = o.quick ? 100 : 1000;
-  const std::int64_t n = 1024;  // 4 KiB of F32
-  const int microbatches = 8;
+/// One training window through gradaccum, as a loop writes it: each microbatch's gradients are
+/// the parameters' `.grad()`s (set here, as backward would), taken by torch_gradients and
+/// accumulated; the mean goes back into `.grad()` (the `out` tensors, written in place).
+void window_through_gradaccum(gradaccum::weighted_gradients_accumulator<B>& window,
+                              const gradaccum::parameter_set<B>& params,
+                              const torch::OrderedDict<std::string, at::Tensor>& named,
+                              const std::vector<std::vector<at::Tensor>>& grads, const std::vector<at::Tensor>& out,
+                              const std::vector<double>& weights, bool mean) {
+  for (std::size_t k = 0; k < grads.size(); ++k) {
+    for (std::size_t i = 0; i < named.size(); ++i) named[i].value().mutable_grad() = grads[k][i];
+    if (mean) {
+      window.accumulate_mean(params, gradaccum::torch_gradients(named), weights[k]);
+    } else {
+      window.accumulate_sum(params, gradaccum::torch_gradients(named), weights[k]);
+    }
+  }
+  for (std::size_t i = 0; i < named.size(); ++i) named[i].value().mutable_grad() = out[i];
+  gradaccum::write_gradients(named, window.finish_mean(params).gradients);
+}
+
+/// The same window as a libtorch user writes it: `acc.add_(g)` (or `add_(g, w)`) per parameter
+/// and microbatch, then one division.
+void window_by_hand(std::vector<at::Tensor>& acc, const std::vector<std::vector<at::Tensor>>& grads,
+                    const std::vector<double>& weights, bool mean) {
+  double total = 0;
+  for (const double w : weights) total += w;
+  for (auto& a : acc) a.zero_();
+  for (std::size_t k = 0; k < grads.size(); ++k) {
+    for (std::size_t i = 0; i < acc.size(); ++i) {
+      if (mean) {
+        acc[i].add_(grads[k][i], weights[k]);
+      } else {
+        acc[i].add_(grads[k][i]);
+      }
+    }
+  }
+  for (auto& a : acc) a.div_(total);  // finish_mean divides by the total weight in both modes
+}
+
+/// gradaccum against the hand loop over `count` parameters of `elements` F32 values, 8 microbatches.
+void compare_speed(const options& o, int count, std::int64_t elements, bool mean, const std::string& what, double limit,
+                   bool at_most) {
+  const std::vector<double> weights = {3, 1, 5, 2, 4, 7, 6, 8};
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(o.device);
-  gradaccum::parameter_set<B> params;
-  std::vector<std::string> ids;
-  for (int i = 0; i < count; ++i) {
-    ids.push_back("p" + std::to_string(i));
-    params.add(ids.back(), torch::zeros({n}, f32));
-  }
-  std::vector<std::vector<at::Tensor>> grads(microbatches);
-  std::vector<gradaccum::gradients_params<B>> inputs(microbatches);
-  for (int k = 0; k < microbatches; ++k) {
-    for (int i = 0; i < count; ++i) {
-      grads[k].push_back(torch::randn({n}, f32));
-      inputs[k].insert(ids[i], grads[k].back());
-    }
-  }
-  gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
-  const double ours = median_seconds(o, [&] {
-    for (int k = 0; k < microbatches; ++k) window.accumulate_sum(params, inputs[k], 1.0);
-    const auto result = window.finish_mean(params);
-    (void)result;
-  });
+  std::vector<std::vector<at::Tensor>> grads(weights.size());
+  std::vector<at::Tensor> out;
   std::vector<at::Tensor> acc;
-  for (int i = 0; i < count; ++i) acc.push_back(torch::zeros({n}, f32));
-  const double hand = median_seconds(o, [&] {
-    for (auto& a : acc) a.zero_();
-    for (int k = 0; k < microbatches; ++k) {
-      for (int i = 0; i < count; ++i) acc[i].add_(grads[k][i]);
-    }
-    for (auto& a : acc) a.div_(microbatches);
-  });
-  speed_line(o, "8 microbatches of " + std::to_string(count) + " parameters of 4 KiB, accumulate_sum vs add_ each",
-             ours, hand, 2.0, false);
+  for (auto& microbatch : grads) {
+    for (int i = 0; i < count; ++i) microbatch.push_back(torch::randn({elements}, f32));
+  }
+  for (int i = 0; i < count; ++i) {
+    out.push_back(torch::zeros({elements}, f32));
+    acc.push_back(torch::zeros({elements}, f32));
+  }
+  const auto named = named_parameters(o, count, elements);
+  const auto params = gradaccum::torch_parameters(named);
+  gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  const double ours =
+      median_seconds(o, [&] { window_through_gradaccum(window, params, named, grads, out, weights, mean); });
+  const double hand = median_seconds(o, [&] { window_by_hand(acc, grads, weights, mean); });
+  bool same = true;  // both computed the same mean, to the contract's roundings
+  for (int i = 0; i < count; ++i) same = same && torch::allclose(out[i], acc[i], 1e-5, 1e-6);
+  speed_line(o, what, ours, hand, limit, at_most);
+  report(same, "values of that window: gradaccum's mean == the hand loop's, to F32 rounding");
+}
+
+void check_speed(const options& o) {
+  const std::int64_t large = o.quick ? (1 << 16) : (16 << 20);  // 64 MiB of F32
+  const std::string size = o.quick ? "256 KiB" : "64 MiB";
+  compare_speed(o, 1, large, false,
+                "8 microbatches of one " + size + " F32 parameter, accumulate_sum vs add_(g), then div", 1.2, true);
+  compare_speed(o, 1, large, true,
+                "8 microbatches of one " + size + " F32 parameter, accumulate_mean vs add_(g, w), then div", 2.0, true);
+  const int count = o.quick ? 100 : 1000;
+  compare_speed(o, count, 1024, false,
+                "8 microbatches of " + std::to_string(count) + " parameters of 4 KiB, accumulate_sum vs add_ each", 2.0,
+                false);
 }
 
 }  // namespace
@@ -318,8 +328,7 @@ int main(int argc, char** argv) {
   try {
     check_bits(o);
     check_module(o);
-    check_speed_large(o);
-    check_speed_many_small(o);
+    check_speed(o);
   } catch (const std::exception& e) {
     std::printf("MISS stopped by an exception: %s\n", e.what());
     return 1;
