@@ -100,7 +100,7 @@ class flat_layout {
     return index_.find(id, key_of());
   }
   /// @brief Positions sorted by id: the order of records.
-  [[nodiscard]] std::span<const std::size_t> by_id() const noexcept { return by_id_; }
+  [[nodiscard]] std::span<const std::size_t> by_id() const noexcept { return {by_id_.data(), by_id_.size()}; }
   /// @brief The id of `by_id()[k]`, from one contiguous copy of the ids in that order: a load
   /// matches a record's ids against them front to back, reading memory in order.
   [[nodiscard]] std::string_view sorted_id(std::size_t k) const noexcept {
@@ -411,7 +411,7 @@ class flat_gradients {
         views.push_back({s.id, storage_->dtype, std::span(shape.data(), s.shape.rank()), values});
       }
     }
-    return std::forward<F>(f)(detail::gradients_view{views, block});
+    return std::forward<F>(f)(detail::gradients_view{{views.data(), views.size()}, block});
   }
 
   /// @brief A record of the present parameters, sorted by id.

@@ -107,7 +107,7 @@ class sharded_gradients {
     return detail::flat_storage::is_present(storage_.get(), position);
   }
   /// @brief The present parameters' parts in this shard, in parameter order.
-  [[nodiscard]] std::span<const shard_piece> pieces() const noexcept { return pieces_; }
+  [[nodiscard]] std::span<const shard_piece> pieces() const noexcept { return {pieces_.data(), pieces_.size()}; }
 
  private:
   friend struct detail::shard_access;
