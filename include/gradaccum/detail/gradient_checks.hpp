@@ -36,8 +36,7 @@ geometry<B> geometry_of(const X& value, std::string_view id) {
   if constexpr (std::is_same_v<X, gradient_variant_t<B>>) {
     return visit_gradient([&](const auto& held) { return geometry_of<B>(held, id); }, value);
   } else {
-    tensor_shape shape = shape_of<B>(value, id);
-    return {std::move(shape), B::device(value)};
+    return {shape_of<B>(value, id), B::device(value)};
   }
 }
 
