@@ -42,6 +42,7 @@
 
 #include <gradaccum/backends/eigen.hpp>
 #include <gradaccum/checkpoint.hpp>
+#include <gradaccum/checkpoint_async.hpp>
 #include <gradaccum/gradaccum.hpp>
 
 #include "bench_common.hpp"

@@ -29,6 +29,7 @@
 
 #include <gradaccum/backends/eigen.hpp>
 #include <gradaccum/checkpoint.hpp>
+#include <gradaccum/checkpoint_async.hpp>
 #include <gradaccum/gradaccum.hpp>
 
 #include "test_checkpoint_fixture.hpp"

@@ -11,9 +11,7 @@
 ///   it, which no loader reads (safely ignored; it may be deleted). Any name up to NAME_MAX
 ///   saves. A save that returns wrote exactly the record's bytes; one that throws, whatever
 ///   allocation failed, left the previous file.
-/// - `save_checkpoint_async(path, accumulator[, format])` snapshots the accumulator (one copy of
-///   the pending values on the calling thread) and writes on another thread. Saves to one path
-///   land in the order they finish: wait for one before starting the next if order matters.
+/// - `save_checkpoint_async` (`<gradaccum/checkpoint_async.hpp>`) saves on another thread.
 /// - `load_checkpoint<Record>(path[, format])` and `load_checkpoint(path, params, accumulator
 ///   [, format])` read untrusted bytes: every problem with the content throws `gradaccum::error`
 ///   (`errc::invalid_record` or `errc::invalid_state`) naming the problem and the path; nothing
@@ -47,7 +45,6 @@
 #include <concepts>
 #include <cstdint>
 #include <filesystem>
-#include <future>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -203,28 +200,6 @@ template <checkpointable Accumulator, class B>
 void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
                      dynamic_loss_scale& scaler, std::optional<checkpoint_format> format = std::nullopt);
 
-/// @brief Writes `record` on another thread; `get()` on the result rethrows what
-/// `save_checkpoint` threw.
-template <checkpoint_record R>
-[[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, R record,
-                                                      std::optional<checkpoint_format> format = std::nullopt);
-
-/// @brief Snapshots `accumulator` as of this call (a copy of it: one copy of the pending
-/// values on the calling thread) and writes the copy on another thread, straight from its
-/// tensors; the accumulator may be used again as soon as this returns.
-template <checkpointable Accumulator>
-  requires std::copy_constructible<Accumulator>
-[[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
-                                                      std::optional<checkpoint_format> format = std::nullopt);
-
-/// @brief `save_checkpoint(path, accumulator, scaler)` on another thread, from a snapshot of both
-/// as of this call.
-template <checkpointable Accumulator>
-  requires std::copy_constructible<Accumulator>
-[[nodiscard]] std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
-                                                      const dynamic_loss_scale& scaler,
-                                                      std::optional<checkpoint_format> format = std::nullopt);
-
 // ---- Implementation ------------------------------------------------------------------------------
 
 namespace detail {
@@ -372,34 +347,6 @@ template <checkpointable Accumulator, class B>
 void load_checkpoint(const std::filesystem::path& path, const parameter_set<B>& params, Accumulator& accumulator,
                      dynamic_loss_scale& scaler, std::optional<checkpoint_format> format) {
   detail::load_accumulator(path, params, accumulator, &scaler, format);
-}
-
-template <checkpoint_record R>
-std::future<void> save_checkpoint_async(std::filesystem::path path, R record, std::optional<checkpoint_format> format) {
-  const checkpoint_format resolved = detail::resolve_format(path, format);
-  return std::async(std::launch::async, [path = std::move(path), record = std::move(record), resolved] {
-    save_checkpoint(path, record, resolved);
-  });
-}
-
-template <checkpointable Accumulator>
-  requires std::copy_constructible<Accumulator>
-std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
-                                        std::optional<checkpoint_format> format) {
-  const checkpoint_format resolved = detail::resolve_format(path, format);
-  return std::async(std::launch::async, [path = std::move(path), snapshot = accumulator, resolved] {
-    save_checkpoint(path, snapshot, resolved);
-  });
-}
-
-template <checkpointable Accumulator>
-  requires std::copy_constructible<Accumulator>
-std::future<void> save_checkpoint_async(std::filesystem::path path, const Accumulator& accumulator,
-                                        const dynamic_loss_scale& scaler, std::optional<checkpoint_format> format) {
-  const checkpoint_format resolved = detail::resolve_format(path, format);
-  return std::async(std::launch::async, [path = std::move(path), snapshot = accumulator, scaler, resolved] {
-    save_checkpoint(path, snapshot, scaler, resolved);
-  });
 }
 
 }  // namespace gradaccum
