@@ -19,6 +19,7 @@
 
 #include <gradaccum/gradaccum.hpp>
 
+#include "device_backend.hpp"
 #include "test_backend.hpp"
 #include "test_helpers.hpp"
 
@@ -48,6 +49,21 @@ struct backend_fixture<vector_backend> {
   template <class T>
   static vector_backend::view<T> view_of(const vector_backend::tensor<T>& t) noexcept {
     return {t.values, t.shape, t.device};
+  }
+};
+
+template <>
+struct backend_fixture<device_backend> {
+  static int device() noexcept { return 0; }
+  static std::optional<int> other_device() noexcept { return 1; }
+  template <class T>
+  static device_backend::view<T> view_of(const device_backend::tensor<T>& t) noexcept {
+    return {t.values, t.shape, t.device};
+  }
+  /// A result's values, read from the view `get<W>` gives.
+  template <class W>
+  static std::vector<W> values_of(const device_backend::view<W>& result) {
+    return {result.values.begin(), result.values.end()};
   }
 };
 
@@ -89,6 +105,13 @@ template <>
 struct backend_fixture<torch_backend> {
   static c10::Device device() noexcept { return c10::Device(c10::kCPU); }
   static std::optional<c10::Device> other_device() noexcept { return std::nullopt; }
+  /// A result's values, read from the tensor `get<W>` gives (a view of the window's buffer).
+  template <class W>
+  static std::vector<W> values_of(const at::Tensor& result) {
+    const at::Tensor host = result.contiguous().cpu();
+    const W* const data = host.data_ptr<W>();
+    return {data, data + host.numel()};
+  }
 };
 #define GRADACCUM_TEST_TORCH_BACKEND , gradaccum::torch_backend
 #else
@@ -99,11 +122,12 @@ struct backend_fixture<torch_backend> {
 
 /// @brief Every backend the conformance suite runs against (for `TEST_CASE_TEMPLATE`); each
 /// optional backend's entry is empty when its dependency was not found.
-#define GRADACCUM_TEST_BACKENDS                                                               \
-  gradaccum::test::vector_backend GRADACCUM_TEST_EIGEN_BACKEND GRADACCUM_TEST_XTENSOR_BACKEND \
-      GRADACCUM_TEST_TORCH_BACKEND
+#define GRADACCUM_TEST_BACKENDS                                                                 \
+  gradaccum::test::vector_backend, gradaccum::test::device_backend GRADACCUM_TEST_EIGEN_BACKEND \
+                                       GRADACCUM_TEST_XTENSOR_BACKEND GRADACCUM_TEST_TORCH_BACKEND
 
 TYPE_TO_STRING(gradaccum::test::vector_backend);
+TYPE_TO_STRING(gradaccum::test::device_backend);
 #if GRADACCUM_TEST_HAVE_EIGEN
 TYPE_TO_STRING(gradaccum::eigen_backend);
 #endif
@@ -216,8 +240,29 @@ std::vector<W> values_of(const flat_gradients<B>& grads, std::string_view id) {
   REQUIRE_MESSAGE(grads.contains(id), "no values under '" << std::string(id) << "'");
   REQUIRE_MESSAGE(grads.dtype() == dtype_of<W>,
                   "values under '" << std::string(id) << "' are not " << to_string(dtype_of<W>));
-  const std::span<const W> values = grads.template values<W>(id);
-  return {values.begin(), values.end()};
+  if constexpr (device_buffers_backend<B>) {
+    return backend_fixture<B>::template values_of<W>(*grads.template get<W>(id));
+  } else {
+    const std::span<const W> values = grads.template values<W>(id);
+    return {values.begin(), values.end()};
+  }
+}
+
+/// @brief The whole buffer of a window's values as `flat<W>()` gives it: for a device window,
+/// assembled from each present segment's view, zeros elsewhere.
+template <class W, class B>
+std::vector<W> flat_values(const flat_gradients<B>& grads) {
+  if constexpr (device_buffers_backend<B>) {
+    std::vector<W> all(grads.layout() ? grads.layout()->elements() : 0, W{0});
+    for (const auto& e : grads) {
+      const std::vector<W> values = values_of<W>(grads, e.id);
+      std::copy(values.begin(), values.end(), all.begin() + static_cast<std::ptrdiff_t>(e.offset));
+    }
+    return all;
+  } else {
+    const std::span<const W> all = grads.template flat<W>();
+    return {all.begin(), all.end()};
+  }
 }
 
 /// @brief One parameter: id and shape (on the fixture's device).

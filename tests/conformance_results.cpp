@@ -45,13 +45,18 @@ TEST_CASE_TEMPLATE("a result's buffer comes back zero outside its present segmen
     weighted_gradients_accumulator<B> acc(dtype_of<W>, 1.0);
     acc.accumulate_sum(params, gradient<B>("a", shape_a, multiples(shape_a, 1)), 1);
     const weighted_gradients_record saved = acc.try_to_record();
+    // A device window hands out no flat<W>() (its results are the backend's views): its
+    // recycled buffers are checked through the values only.
+    constexpr bool host_window = !device_buffers_backend<B>;
     const auto decayed = [&] {
       auto result = acc.finish_mean(params);
-      for (W& v : result.gradients.template flat<W>()) v = v + W{0.25};
+      if constexpr (host_window) {
+        for (W& v : result.gradients.template flat<W>()) v = v + W{0.25};
+      }
     };  // the result is dropped: its buffer serves the next window
     decayed();
     acc.accumulate_sum(params, gradient<B>("a", shape_a, multiples(shape_a, 1)), 1);
-    CHECK(zero_outside_present<W>(acc.pending()));
+    if constexpr (host_window) CHECK(zero_outside_present<W>(acc.pending()));
     acc.accumulate_sum(params, gradient<B>("b", shape_b, multiples(shape_b, 1)), 1);
     CHECK(values_of<W>(acc.pending(), "b") == as<W>(multiples(shape_b, 1)));  // not 1.25, 2.25, ...
     decayed();
@@ -59,7 +64,7 @@ TEST_CASE_TEMPLATE("a result's buffer comes back zero outside its present segmen
     acc.load_record(params, saved);
     CHECK(values_of<W>(acc.pending(), "a") == as<W>(multiples(shape_a, 1)));
     CHECK_FALSE(acc.pending().contains("b"));
-    CHECK(zero_outside_present<W>(acc.pending()));
+    if constexpr (host_window) CHECK(zero_outside_present<W>(acc.pending()));
   });
 }
 
@@ -72,18 +77,20 @@ TEST_CASE_TEMPLATE("a result asked for the other work type refuses with invalid_
   auto& g = result.gradients;
   const auto& read_only = g;
   GRADACCUM_CHECK_REJECTED(read_only.template get<float>("a"), errc::invalid_dtype, "");
-  GRADACCUM_CHECK_REJECTED(read_only.template values<float>("a"), errc::invalid_dtype, "");
-  GRADACCUM_CHECK_REJECTED(read_only.template values<float>("b"), errc::invalid_dtype, "");
-  GRADACCUM_CHECK_REJECTED(read_only.template values<float>(*read_only.begin()), errc::invalid_dtype, "");
-  GRADACCUM_CHECK_REJECTED(read_only.template flat<float>(), errc::invalid_dtype, "");
-  GRADACCUM_CHECK_REJECTED(g.template flat<float>(), errc::invalid_dtype, "");
-  const std::string message = message_of([&] { (void)g.template flat<float>(); });
+  const std::string message = message_of([&] { (void)read_only.template get<float>("a"); });
   CHECK(message.find("F64") != std::string::npos);
   CHECK(message.find("F32") != std::string::npos);
   CHECK_FALSE(read_only.template get<double>("b").has_value());  // absent
-  CHECK(read_only.template values<double>("b").empty());
-  CHECK(values_of<double>(g, "a") == multiples(shape_a, 1));   // nothing changed
-  CHECK(flat_gradients<B>().template flat<double>().empty());  // nothing laid out: no values of any type
+  if constexpr (!device_buffers_backend<B>) {                    // host memory: spans of the buffer too
+    GRADACCUM_CHECK_REJECTED(read_only.template values<float>("a"), errc::invalid_dtype, "");
+    GRADACCUM_CHECK_REJECTED(read_only.template values<float>("b"), errc::invalid_dtype, "");
+    GRADACCUM_CHECK_REJECTED(read_only.template values<float>(*read_only.begin()), errc::invalid_dtype, "");
+    GRADACCUM_CHECK_REJECTED(read_only.template flat<float>(), errc::invalid_dtype, "");
+    GRADACCUM_CHECK_REJECTED(g.template flat<float>(), errc::invalid_dtype, "");
+    CHECK(read_only.template values<double>("b").empty());
+    CHECK(flat_gradients<B>().template flat<double>().empty());  // nothing laid out: no values of any type
+  }
+  CHECK(values_of<double>(g, "a") == multiples(shape_a, 1));  // nothing changed
 }
 
 TEST_CASE_TEMPLATE("a pending gradient that a smaller parameter set lacks is refused as pending, changing nothing", B,

@@ -51,8 +51,7 @@ accumulated_gradients<B> exact_window(double loss_scale = 1.0) {
 
 template <class W, class B>
 std::vector<W> all_values(const accumulated_gradients<B>& result) {
-  const std::span<const W> flat = result.gradients.template flat<W>();
-  return {flat.begin(), flat.end()};
+  return flat_values<W>(result.gradients);
 }
 
 /// `id` → a W tensor of `shape` holding `values`: one microbatch's gradients.
@@ -121,7 +120,7 @@ TEST_CASE_TEMPLATE("global_norm sums in the documented order, so every backend g
 
     // The contract spelled out: the buffer in blocks of 1024 elements; per block, lane i mod 8
     // adds its squares in order, lanes combined pairwise; block sums added from the first.
-    const std::span<const W> flat = result.gradients.template flat<W>();
+    const std::vector<W> flat = flat_values<W>(result.gradients);
     REQUIRE(flat.size() == 16 + 16 + 2304);  // head, bias and big, each padded to 16 elements
     double total = 0.0;
     for (std::size_t at = 0; at < flat.size(); at += norm_block_elements) {

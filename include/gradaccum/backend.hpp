@@ -51,6 +51,7 @@
 #include <string_view>
 
 #include "gradaccum/detail/backend_requirements.hpp"
+#include "gradaccum/device_buffers.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/shape.hpp"
@@ -64,7 +65,8 @@ concept tensor_backend =
     detail::has_backend_types<B> && std::equality_comparable<typename B::device_type> &&
     std::copyable<typename B::device_type> && detail::backend_work<B, float> && detail::backend_work<B, double> &&
     detail::all_elements_supported<B, typename B::element_types>::value &&
-    (!detail::has_views<B> || detail::all_views_supported<B, typename B::element_types>::value);
+    (!detail::has_views<B> || detail::all_views_supported<B, typename B::element_types>::value) &&
+    (!detail::has_buffers<B> || device_buffers_backend<B>);
 
 /// @brief A backend whose tensors can be copied to and from row-major buffers (records).
 template <class B>
@@ -132,15 +134,15 @@ consteval bool check_backend() {
           { B::device(t) } -> std::convertible_to<typename B::device_type>;
         }, "gradaccum backend: missing or mis-declared `static device_type device(const tensor<T>&)`");
     static_assert(
-        requires(std::span<float> acc, const f32& g) {
-          { B::add_scaled(acc, g, 1.0F) } noexcept;
-        },
+        has_buffers<B> ||
+            requires(std::span<float> acc, const f32& g) {
+              { B::add_scaled(acc, g, 1.0F) } noexcept;
+            },
         "gradaccum backend: missing, mis-declared or not noexcept `static void add_scaled(std::span<W> acc, "
         "const tensor<T>& g, W scale) noexcept` (acc, row-major, += scale * W(g))");
     static_assert(
-        requires(std::span<const float> values, const tensor_shape& s, const typename B::device_type& d) {
-          B::template map<float>(values, s, d);
-        },
+        has_buffers<B> || requires(std::span<const float> values, const tensor_shape& s,
+                                   const typename B::device_type& d) { B::template map<float>(values, s, d); },
         "gradaccum backend: missing or mis-declared `template <class W> static auto map(std::span<const W> "
         "row_major, const gradaccum::tensor_shape&, const device_type&)` (a read-only view of a result)");
     static_assert(
@@ -149,6 +151,10 @@ consteval bool check_backend() {
         },
         "gradaccum backend: missing or mis-declared `template <class W> static tensor<W> convert(const "
         "tensor<T>&)`");
+    static_assert(!has_buffers<B> || device_buffers_backend<B>,
+                  "gradaccum backend: `buffer<W>` is declared but not every member of a backend with device "
+                  "buffers is (allocate, add_scaled, map, divide, zero, read, write; see "
+                  "<gradaccum/device_buffers.hpp>)");
     static_assert(tensor_backend<B>,
                   "gradaccum backend: tensor<float> conforms but not everything else: every T of element_types "
                   "needs a gradaccum::element_dtype<T> specialization and a copyable tensor<T> that shape, device, "

@@ -36,6 +36,7 @@
 
 #include "gradaccum/backend.hpp"
 #include "gradaccum/detail/id_index.hpp"
+#include "gradaccum/device_buffers.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/kernels.hpp"
@@ -140,6 +141,7 @@ struct flat_storage {
   std::size_t elements = 0;
   std::vector<std::uint8_t> present;  // per segment: 1 when it received values
   std::size_t present_count = 0;
+  std::unique_ptr<device_values> device;  // instead of `bytes`, for a device_buffers_backend
 
   /// @throws std::bad_alloc
   static std::shared_ptr<flat_storage> allocate(float_dtype dtype, std::size_t elements, std::size_t segments) {
@@ -188,7 +190,13 @@ struct flat_storage {
   /// over absent segments and padding too) may have written anywhere in it, so a buffer taken back
   /// from one is zeroed whole (one pass, about what zeroing its present segments costs).
   void clear() noexcept {
-    std::memset(bytes.get(), 0, elements * element_size());
+    if (device) {  // only present segments were ever shown (as backend views), so only they were written
+      for (std::size_t position = 0; position < present.size(); ++position) {
+        if (present[position] != 0) device->zero(position);
+      }
+    } else {
+      std::memset(bytes.get(), 0, elements * element_size());
+    }
     std::fill(present.begin(), present.end(), std::uint8_t{0});
     present_count = 0;
   }
@@ -197,6 +205,7 @@ struct flat_storage {
   /// which a result's `flat<W>()` may have written: the invariant back, values kept.
   template <class B>
   void zero_outside_present(const flat_layout<B>& layout) noexcept {
+    if (device) return;  // a device window shows nothing outside its present segments
     std::size_t at = 0;
     for (std::size_t i = 0; i < present.size(); ++i) {
       if (present[i] == 0) continue;
@@ -204,6 +213,15 @@ struct flat_storage {
       at = layout[i].offset + layout[i].size;
     }
     std::memset(bytes.get() + at * element_size(), 0, (elements - at) * element_size());
+  }
+
+  /// Zeroes segment `position` (`size` elements at `offset` in host memory).
+  void zero_segment(std::size_t position, std::size_t offset, std::size_t size) noexcept {
+    if (device) {
+      device->zero(position);
+    } else {
+      std::memset(bytes.get() + offset * element_size(), 0, size * element_size());
+    }
   }
 
   void mark_present(std::size_t position) noexcept {
@@ -215,6 +233,119 @@ struct flat_storage {
     }
   }
 };
+
+/// What `flat_gradients<B>::get<W>` gives: the backend's view of a result's segment.
+template <class B, class W>
+struct result_view {
+  using type = decltype(B::template map<W>(std::span<const W>{}, std::declval<const tensor_shape&>(),
+                                           std::declval<const typename B::device_type&>()));
+};
+template <class B, class W>
+  requires device_buffers_backend<B>
+struct result_view<B, W> {
+  using type =
+      decltype(B::template map<W>(std::declval<const typename B::template buffer<W>&>(), std::size_t{},
+                                  std::declval<const tensor_shape&>(), std::declval<const typename B::device_type&>()));
+};
+
+/// A zero-filled buffer for `layout` in `dtype`: host memory, or for a `device_buffers_backend`
+/// one buffer per device, each device's segments back to back.
+/// @throws std::bad_alloc, or what the backend's `allocate` throws
+template <class B>
+std::shared_ptr<flat_storage> allocate_storage(const flat_layout<B>& layout, float_dtype dtype) {
+  if constexpr (!device_buffers_backend<B>) {
+    return flat_storage::allocate(dtype, layout.elements(), layout.size());
+  } else {
+    std::vector<device_place> places(layout.size());
+    std::vector<typename B::device_type> devices;
+    std::vector<std::size_t> ends;  // per device: where its next segment starts
+    for (std::size_t position = 0; position < layout.size(); ++position) {
+      const flat_segment<B>& s = layout[position];
+      const auto known = std::find(devices.begin(), devices.end(), s.device);
+      const auto d = static_cast<std::size_t>(known - devices.begin());
+      if (known == devices.end()) {
+        devices.push_back(s.device);
+        ends.push_back(0);
+      }
+      places[position] = {d, ends[d], s.size};
+      ends[d] += (s.size + segment_alignment - 1) / segment_alignment * segment_alignment;
+    }
+    auto storage = std::make_shared<flat_storage>();
+    storage->dtype = dtype;
+    storage->elements = layout.elements();
+    storage->present.assign(layout.size(), 0);
+    if (dtype == float_dtype::f64) {
+      storage->device = std::make_unique<device_values_of<B, double>>(std::move(places), devices);
+    } else {
+      storage->device = std::make_unique<device_values_of<B, float>>(std::move(places), devices);
+    }
+    return storage;
+  }
+}
+
+/// Values of a device window are staged through host memory this many at a time: a multiple
+/// of the global norm's blocks, 64 KiB of F32.
+inline constexpr std::size_t staged_elements = 16384;
+
+/// `f(std::span<const W>)` over the `size` values of segment `position` (at `offset` in a host
+/// buffer) of `storage`, W its work type: the segment itself in host memory, else pieces of at
+/// most `staged_elements` read from the device.
+/// @throws std::bad_alloc, or what the backend's `read` throws (never for host memory)
+template <class F>
+void for_each_piece(const flat_storage& storage, std::size_t position, std::size_t offset, std::size_t size, F&& f) {
+  const auto each = [&]<class W>(W) {
+    if (!storage.device) {
+      f(std::span<const W>(storage.data<W>() + offset, size));
+      return;
+    }
+    std::vector<W> staged(std::min(size, staged_elements));
+    for (std::size_t first = 0; first < size; first += staged_elements) {
+      const std::span<W> piece(staged.data(), std::min(staged_elements, size - first));
+      storage.device->read(position, first, std::as_writable_bytes(piece));
+      f(std::span<const W>(piece));
+    }
+  };
+  storage.dtype == float_dtype::f64 ? each(double{}) : each(float{});
+}
+
+/// Copies `size` values from segment `from_position` (at `from_offset` in a host buffer) of
+/// `from` to segment `to_position` (at `to_offset`) of `to`, converting to `to`'s dtype; through
+/// bounded host pieces where either side is on a device.
+/// @throws std::bad_alloc, or what a backend's `read` or `write` throws
+inline void copy_segment(const flat_storage& from, std::size_t from_position, std::size_t from_offset, flat_storage& to,
+                         std::size_t to_position, std::size_t to_offset, std::size_t size) {
+  const auto as_work_type = [](float_dtype dtype, auto&& f) { dtype == float_dtype::f64 ? f(double{}) : f(float{}); };
+  if (!from.device && !to.device) {
+    as_work_type(to.dtype, [&]<class W>(W) {
+      as_work_type(from.dtype,
+                   [&]<class V>(V) { kernels::convert(to.data<W>() + to_offset, from.data<V>() + from_offset, size); });
+    });
+    return;
+  }
+  constexpr std::size_t piece = staged_elements;
+  std::vector<double> staged_from(std::min(size, piece));
+  std::vector<double> staged_to(to.device ? staged_from.size() : 0);
+  for (std::size_t first = 0; first < size; first += piece) {
+    const std::size_t count = std::min(piece, size - first);
+    as_work_type(from.dtype, [&]<class V>(V) {
+      V* const in = reinterpret_cast<V*>(staged_from.data());
+      if (from.device) {
+        from.device->read(from_position, first, std::as_writable_bytes(std::span<V>(in, count)));
+      } else {
+        std::copy_n(from.data<V>() + from_offset + first, count, in);
+      }
+      as_work_type(to.dtype, [&]<class W>(W) {
+        if (!to.device) {
+          kernels::convert(to.data<W>() + to_offset + first, in, count);
+          return;
+        }
+        W* const out = reinterpret_cast<W*>(staged_to.data());
+        kernels::convert(out, in, count);
+        to.device->write(to_position, first, std::as_bytes(std::span<const W>(out, count)));
+      });
+    });
+  }
+}
 
 /// Library code that fills or reduces a buffer in place, outside the accumulator (the MPI
 /// reduction, `<gradaccum/mpi.hpp>`), reaches a `flat_gradients`' layout and storage here, and
@@ -241,7 +372,7 @@ class flat_gradients {
 
   flat_gradients() = default;
   flat_gradients(const flat_gradients& other)
-      : layout_(other.layout_), storage_(other.storage_ ? copy_of(*other.storage_) : nullptr) {}
+      : layout_(other.layout_), storage_(other.storage_ ? other.copy_of(*other.storage_) : nullptr) {}
   flat_gradients(flat_gradients&&) noexcept = default;
   flat_gradients& operator=(const flat_gradients& other) {
     if (this != &other) *this = flat_gradients(other);
@@ -267,14 +398,17 @@ class flat_gradients {
   /// @throws error(errc::invalid_dtype) when W is not the element type of the values held
   /// (`dtype()`): asked for the other work type, a result does not answer as if `id` were absent.
   template <class W>
-  [[nodiscard]] auto get(std::string_view id) const
-      -> std::optional<decltype(B::template map<W>(std::span<const W>{}, std::declval<const tensor_shape&>(),
-                                                   std::declval<const typename B::device_type&>()))> {
+  [[nodiscard]] std::optional<typename detail::result_view<B, W>::type> get(std::string_view id) const {
     require_type<W>();
     const auto position = position_of(id);
     if (!position) return std::nullopt;
     const flat_segment<B>& s = (*layout_)[*position];
-    return B::template map<W>(values_at<W>(s), s.shape, s.device);
+    if constexpr (device_buffers_backend<B>) {
+      const auto& values = static_cast<const detail::device_values_of<B, W>&>(*storage_->device);
+      return B::template map<W>(values.buffer_of(*position), values.place(*position).offset, s.shape, s.device);
+    } else {
+      return B::template map<W>(values_at<W>(s), s.shape, s.device);
+    }
   }
 
   /// @brief `id`'s row-major values, if present; else empty.
@@ -282,6 +416,7 @@ class flat_gradients {
   template <class W>
   [[nodiscard]] std::span<const W> values(std::string_view id) const {
     require_type<W>();
+    static_assert(!device_buffers_backend<B>, "values on a device are read through get<W>(id), the backend's view");
     const auto position = position_of(id);
     if (!position) return {};
     return values_at<W>((*layout_)[*position]);
@@ -291,6 +426,7 @@ class flat_gradients {
   template <class W>
   [[nodiscard]] std::span<const W> values(const entry& e) const {
     require_type<W>();
+    static_assert(!device_buffers_backend<B>, "values on a device are read through get<W>(id), the backend's view");
     return {storage_->data<W>() + e.offset, e.size};
   }
 
@@ -299,6 +435,7 @@ class flat_gradients {
   /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
   [[nodiscard]] std::span<const W> flat() const {
+    static_assert(!device_buffers_backend<B>, "values on a device are read through get<W>(id), the backend's view");
     return detail::flat_storage::all_values<W>(storage_.get(), "these gradients");
   }
   /// @brief Mutable access for in-place steps on the result (clipping, weight decay, a
@@ -307,6 +444,7 @@ class flat_gradients {
   /// @throws error(errc::invalid_dtype) when W is not `dtype()`'s type.
   template <class W>
   [[nodiscard]] std::span<W> flat() {
+    static_assert(!device_buffers_backend<B>, "values on a device are read through get<W>(id), the backend's view");
     return detail::flat_storage::all_values<W>(storage_.get(), "these gradients");
   }
 
@@ -362,9 +500,10 @@ class flat_gradients {
     for (const std::size_t position : layout_->by_id()) {
       if (!is_present(position)) continue;
       const flat_segment<B>& s = (*layout_)[position];
-      const bool finite = storage_->dtype == float_dtype::f64
-                              ? kernels::all_finite(storage_->data<double>() + s.offset, s.size)
-                              : kernels::all_finite(storage_->data<float>() + s.offset, s.size);
+      bool finite = true;
+      detail::for_each_piece(*storage_, position, s.offset, s.size, [&](auto values) {
+        finite = finite && kernels::all_finite(values.data(), values.size());
+      });
       if (!finite) ids.push_back(s.id);
     }
     return ids;
@@ -377,6 +516,39 @@ class flat_gradients {
   /// absent segments.
   template <class F>
   decltype(auto) visit_record(F&& f) const {
+    if constexpr (device_buffers_backend<B>) {
+      // Records are host bytes: a device window is read into a host copy first.
+      if (storage_ && storage_->device) {
+        return flat_gradients(layout_, host_copy()).visit_host_record(std::forward<F>(f));
+      }
+    }
+    return visit_host_record(std::forward<F>(f));
+  }
+
+  /// @brief A record of the present parameters, sorted by id.
+  [[nodiscard]] gradients_params_record to_record() const {
+    return visit_record([](const detail::gradients_view& view) {
+      gradients_params_record record;
+      record.tensors.reserve(view.tensors.size());
+      for (const detail::tensor_view& t : view.tensors) {
+        tensor_record& r = record.tensors.emplace_back();
+        r.id = std::string(t.id);
+        r.dtype = t.dtype;
+        r.shape.assign(t.shape.begin(), t.shape.end());
+        std::visit([&](auto values) { r.values = std::vector(values.begin(), values.end()); }, t.values);
+      }
+      return record;
+    });
+  }
+
+ private:
+  template <class>
+  friend class gradients_accumulator;
+  friend struct detail::flat_access;
+
+  /// `visit_record` of values in host memory.
+  template <class F>
+  decltype(auto) visit_host_record(F&& f) const {
     std::vector<std::array<std::uint64_t, max_rank>> shapes(size());
     std::vector<detail::tensor_view> views;
     views.reserve(size());
@@ -414,27 +586,6 @@ class flat_gradients {
     return std::forward<F>(f)(detail::gradients_view{{views.data(), views.size()}, block});
   }
 
-  /// @brief A record of the present parameters, sorted by id.
-  [[nodiscard]] gradients_params_record to_record() const {
-    return visit_record([](const detail::gradients_view& view) {
-      gradients_params_record record;
-      record.tensors.reserve(view.tensors.size());
-      for (const detail::tensor_view& t : view.tensors) {
-        tensor_record& r = record.tensors.emplace_back();
-        r.id = std::string(t.id);
-        r.dtype = t.dtype;
-        r.shape.assign(t.shape.begin(), t.shape.end());
-        std::visit([&](auto values) { r.values = std::vector(values.begin(), values.end()); }, t.values);
-      }
-      return record;
-    });
-  }
-
- private:
-  template <class>
-  friend class gradients_accumulator;
-  friend struct detail::flat_access;
-
   flat_gradients(std::shared_ptr<const flat_layout<B>> layout, std::shared_ptr<detail::flat_storage> storage) noexcept
       : layout_(std::move(layout)), storage_(std::move(storage)) {}
 
@@ -458,9 +609,29 @@ class flat_gradients {
     return {storage_->data<W>() + s.offset, s.size};
   }
 
-  static std::shared_ptr<detail::flat_storage> copy_of(const detail::flat_storage& from) {
-    auto copy = detail::flat_storage::allocate(from.dtype, from.elements, from.present.size());
-    std::memcpy(copy->bytes.get(), from.bytes.get(), from.elements * from.element_size());
+  /// The values of a device window in host memory, laid out the same.
+  std::shared_ptr<detail::flat_storage> host_copy() const {
+    auto copy = detail::flat_storage::allocate(storage_->dtype, storage_->elements, storage_->present.size());
+    for (std::size_t position = 0; position < layout_->size(); ++position) {
+      if (!is_present(position)) continue;
+      const flat_segment<B>& s = (*layout_)[position];
+      detail::copy_segment(*storage_, position, s.offset, *copy, position, s.offset, s.size);
+    }
+    copy->present = storage_->present;
+    copy->present_count = storage_->present_count;
+    return copy;
+  }
+
+  std::shared_ptr<detail::flat_storage> copy_of(const detail::flat_storage& from) const {
+    auto copy = detail::allocate_storage(*layout_, from.dtype);
+    if (from.device) {
+      for (std::size_t position = 0; position < layout_->size(); ++position) {
+        if (from.present[position] == 0) continue;
+        detail::copy_segment(from, position, 0, *copy, position, 0, (*layout_)[position].size);
+      }
+    } else {
+      std::memcpy(copy->bytes.get(), from.bytes.get(), from.elements * from.element_size());
+    }
     copy->present = from.present;
     copy->present_count = from.present_count;
     return copy;

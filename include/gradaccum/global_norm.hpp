@@ -20,7 +20,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <memory>
 #include <span>
+#include <vector>
 
 #include "gradaccum/error.hpp"
 #include "gradaccum/flat_gradients.hpp"
@@ -37,12 +39,14 @@ inline constexpr std::size_t norm_block_elements = 1024;
 /// @brief `‖g‖₂ = √(Σ_p Σ_i g[p][i]²)` over every present parameter, summed in F64 in the fixed
 /// order of the file comment. Zero for an empty result; NaN or +inf when a value is non-finite
 /// (or, in F64, when the squares overflow).
+/// A window on a device is read in pieces through host memory (same blocks, same bits); that
+/// may throw what the backend's `read` throws, or `std::bad_alloc`.
 template <class B>
-[[nodiscard]] double global_norm(const flat_gradients<B>& gradients) noexcept;
+[[nodiscard]] double global_norm(const flat_gradients<B>& gradients) noexcept(!device_buffers_backend<B>);
 
 /// @brief `global_norm(result.gradients)`.
 template <class B>
-[[nodiscard]] double global_norm(const accumulated_gradients<B>& result) noexcept {
+[[nodiscard]] double global_norm(const accumulated_gradients<B>& result) noexcept(!device_buffers_backend<B>) {
   return global_norm(result.gradients);
 }
 
@@ -94,12 +98,63 @@ void clip_values(std::span<W> x, double norm, double max_norm) noexcept {
   for (W& v : x) v = v * c;
 }
 
+/// The block sums of a window on a device: its buffer's blocks as the host buffer has them
+/// (padding and absent segments zero), assembled from the device `staged_elements` at a time.
+template <class W, class B>
+double staged_block_sums(const flat_gradients<B>& gradients) {
+  const flat_layout<B>* layout = gradients.layout();
+  const std::shared_ptr<flat_storage>& storage = flat_access::storage(gradients);
+  if (layout == nullptr || !storage || !storage->device) return 0.0;
+  std::vector<W> piece(std::min(staged_elements, layout->elements()));
+  double total = 0.0;
+  std::size_t next = 0;  // the first segment that may reach into this piece
+  for (std::size_t begin = 0; begin < layout->elements(); begin += staged_elements) {
+    const std::size_t end = std::min(begin + staged_elements, layout->elements());
+    std::fill_n(piece.begin(), end - begin, W{0});
+    while (next < layout->size() && (*layout)[next].offset + (*layout)[next].size <= begin) ++next;
+    for (std::size_t position = next; position < layout->size() && (*layout)[position].offset < end; ++position) {
+      if (!gradients.is_present(position)) continue;
+      const flat_segment<B>& s = (*layout)[position];
+      const std::size_t from = std::max(begin, s.offset);
+      const std::size_t to = std::min(end, s.offset + s.size);
+      storage->device->read(position, from - s.offset,
+                            std::as_writable_bytes(std::span<W>(piece.data() + (from - begin), to - from)));
+    }
+    total = add_block_sums(std::span<const W>(piece.data(), end - begin), total);
+  }
+  return total;
+}
+
+/// `clip_values` of a window on a device, segment by segment through host pieces.
+template <class W, class B>
+void clip_staged(flat_gradients<B>& gradients, double norm, double max_norm) {
+  const flat_layout<B>* layout = gradients.layout();
+  const std::shared_ptr<flat_storage>& storage = flat_access::storage(gradients);
+  if (layout == nullptr || !storage || !storage->device || !(max_norm / (norm + 1e-6) < 1.0)) return;
+  std::vector<W> piece;
+  for (std::size_t position = 0; position < layout->size(); ++position) {
+    if (!gradients.is_present(position)) continue;
+    const std::size_t size = (*layout)[position].size;
+    piece.resize(std::min(staged_elements, size));
+    for (std::size_t first = 0; first < size; first += staged_elements) {
+      const std::span<W> values(piece.data(), std::min(staged_elements, size - first));
+      storage->device->read(position, first, std::as_writable_bytes(values));
+      clip_values(values, norm, max_norm);
+      storage->device->write(position, first, std::as_bytes(std::span<const W>(values)));
+    }
+  }
+}
+
 }  // namespace detail
 
 template <class B>
-double global_norm(const flat_gradients<B>& gradients) noexcept {
+double global_norm(const flat_gradients<B>& gradients) noexcept(!device_buffers_backend<B>) {
   return detail::visit_work_dtype(gradients.dtype(), [&]<class W>() {
-    return std::sqrt(detail::add_block_sums(gradients.template flat<W>(), 0.0));
+    if constexpr (device_buffers_backend<B>) {
+      return std::sqrt(detail::staged_block_sums<W>(gradients));
+    } else {
+      return std::sqrt(detail::add_block_sums(gradients.template flat<W>(), 0.0));
+    }
   });
 }
 
@@ -108,8 +163,13 @@ double clip_by_global_norm(flat_gradients<B>& gradients, double max_norm) {
   detail::check_max_norm(max_norm);
   const double norm = global_norm(gradients);
   if (std::isfinite(norm)) {
-    detail::visit_work_dtype(gradients.dtype(),
-                             [&]<class W>() { detail::clip_values(gradients.template flat<W>(), norm, max_norm); });
+    detail::visit_work_dtype(gradients.dtype(), [&]<class W>() {
+      if constexpr (device_buffers_backend<B>) {
+        detail::clip_staged<W>(gradients, norm, max_norm);
+      } else {
+        detail::clip_values(gradients.template flat<W>(), norm, max_norm);
+      }
+    });
   }
   return norm;
 }

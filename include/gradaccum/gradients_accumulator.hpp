@@ -125,6 +125,12 @@ class gradients_accumulator {
     while (storage->present[first_position] == 0) ++first_position;
     std::size_t last_position = layout.size() - 1;
     while (storage->present[last_position] == 0) --last_position;
+    if (storage->device) {
+      for (std::size_t position = first_position; position <= last_position; ++position) {
+        if (storage->present[position] != 0) storage->device->divide(position, first, second);
+      }
+      return;
+    }
     const std::size_t begin = layout[first_position].offset;
     const std::size_t end = layout[last_position].offset + layout[last_position].size;
     if (storage->dtype == float_dtype::f64) {
@@ -247,7 +253,13 @@ class gradients_accumulator {
     const flat_segment<B>& s = (*pending_.layout_)[position];
     detail::flat_storage& buffer = *pending_.storage_;
     buffer.mark_present(position);
-    const std::span<W> acc(buffer.data<W>() + s.offset, s.size);
+    detail::add_target<B, W> acc;
+    if constexpr (device_buffers_backend<B>) {
+      auto& values = static_cast<detail::device_values_of<B, W>&>(*buffer.device);
+      acc = {&values.buffer_of(position), values.place(position).offset};
+    } else {
+      acc = std::span<W>(buffer.data<W>() + s.offset, s.size);
+    }
     if constexpr (std::is_same_v<W, float>) {
       e.adds->f32(acc, e.value, scale);
     } else {
@@ -280,6 +292,7 @@ class gradients_accumulator {
   /// `prepare` and `add_prepared` of a `gradient_buffer`.
   template <class T>
   void prepare(const parameter_set<B>& params, const gradient_buffer<B, T>& grads, float_dtype dtype) {
+    static_assert(!device_buffers_backend<B>, "a gradient_buffer is host memory; a device window takes tensors");
     validate(params, grads);
     if (!grads.empty() && !ready_for(params, dtype)) [[unlikely]] {
       lay_out(params, dtype, &grads.layout_);  // the buffer's layout is this set's; then nothing throws
@@ -392,7 +405,7 @@ class gradients_accumulator {
     const bool same_layout = pending_.layout_ == layout;
     if (pending_.storage_ && same_layout && pending_.storage_->dtype == dtype) return pending_.storage_;
     std::shared_ptr<detail::flat_storage> fresh = recycle(layout, dtype);
-    if (!fresh) fresh = detail::flat_storage::allocate(dtype, layout->elements(), layout->size());
+    if (!fresh) fresh = detail::allocate_storage(*layout, dtype);
     if (pending_.empty()) return fresh;
     // Move the pending values over (new dtype or new layout): by id, checked like a gradient.
     try {
@@ -401,15 +414,8 @@ class gradients_accumulator {
         if (!position) fail_pending_unknown(e.id);
         if (!detail::same_shape<B>((*layout)[*position].shape, e.shape))
           fail_pending_shape(e, (*layout)[*position].shape);
-        const flat_segment<B>& s = (*layout)[*position];
-        detail::visit_work_dtype(dtype, [&]<class W>() {
-          W* out = fresh->data<W>() + s.offset;
-          if (pending_.dtype() == float_dtype::f64) {
-            kernels::convert(out, pending_.storage_->template data<double>() + e.offset, e.size);
-          } else {
-            kernels::convert(out, pending_.storage_->template data<float>() + e.offset, e.size);
-          }
-        });
+        detail::copy_segment(*pending_.storage_, e.position, e.offset, *fresh, *position, (*layout)[*position].offset,
+                             e.size);
         fresh->mark_present(*position);
       }
     } catch (...) {

@@ -281,7 +281,7 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
   taken_ = false;
   try {
     detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
-      W* const values = window_.gradients.template flat<W>().data();
+      W* const values = detail::flat_access::storage(window_.gradients)->template data<W>();
       if (blocking) {
         for (std::size_t at = window_.begin; at < window_.end; at += bucket_) {
           detail::mpi::reduce(values, at, std::min(at + bucket_, window_.end), static_cast<W>(window_.state.loss_scale),
@@ -358,15 +358,16 @@ accumulated_gradients<B> allreduce_mean_request<B>::wait() {
     normalize_bucket(k);
   }
   taken_ = true;
-  return {std::move(window_.gradients), window_.state};
+  return {detail::mpi::result_of(window_), window_.state};
 }
 
 template <class B>
 void allreduce_mean_request<B>::normalize_bucket(std::size_t k) noexcept {
   detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
     const std::size_t at = window_.begin + k * bucket_;
-    detail::mpi::normalize(window_.gradients.template flat<W>().data() + at, std::min(bucket_, window_.end - at),
-                           static_cast<W>(window_.state.loss_scale), static_cast<W>(window_.state.total_weight));
+    detail::mpi::normalize(detail::flat_access::storage(window_.gradients)->template data<W>() + at,
+                           std::min(bucket_, window_.end - at), static_cast<W>(window_.state.loss_scale),
+                           static_cast<W>(window_.state.total_weight));
   });
   --in_flight_;
 }
@@ -435,8 +436,8 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
     const std::uint64_t reduction = request.window_.number;
     const accumulated_gradients<B> reduced = request.wait();
     detail::visit_work_dtype(reduced.state.dtype, [&]<class W>() {
-      const std::span<const W> all = reduced.gradients.template flat<W>();
-      std::copy_n(all.data() + range.begin, range.stored, shard->template data<W>());
+      const W* const all = detail::flat_access::storage(reduced.gradients)->template data<W>();
+      std::copy_n(all + range.begin, range.stored, shard->template data<W>());
     });
     return cut(reduced.gradients, reduced.state, found_non_finite, reduction);
   }

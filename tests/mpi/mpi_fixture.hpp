@@ -23,7 +23,7 @@
 #include <gradaccum/gradaccum.hpp>
 #include <gradaccum/mpi.hpp>
 
-#include "../test_backend.hpp"
+#include "../backend_fixtures.hpp"
 #include "../test_helpers.hpp"
 
 #ifdef GRADACCUM_TEST_HAVE_EIGEN
@@ -186,6 +186,6 @@ void check_ranks_still_agree(const gradaccum::parameter_set<B>& params) {
   GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(single_process_mean(params, float_dtype::f32)));
 }
 
-#define BACKENDS EIGEN_BACKENDS XTENSOR_BACKENDS gradaccum::test::vector_backend
+#define BACKENDS EIGEN_BACKENDS XTENSOR_BACKENDS gradaccum::test::vector_backend, gradaccum::test::device_backend
 
 }  // namespace mpi_test

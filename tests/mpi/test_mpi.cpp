@@ -232,7 +232,7 @@ TEST_CASE_TEMPLATE("buckets ending inside segments and in padding give exact val
       const auto check_values = [&]<class W>() {
         const auto n = static_cast<W>(world_size);
         for (const std::size_t k : reduced) {
-          const std::span<const W> got = mean.gradients.template values<W>(specs[k].id);
+          const std::vector<W> got = gradaccum::test::values_of<W>(mean.gradients, specs[k].id);
           CHECK(got.size() == *specs[k].shape.checked_element_count());
           for (std::size_t i = 0; i < got.size(); ++i) {
             const W sum = static_cast<W>(100.0 * k + i + 1.0) * (n * (n + 1) / 2);
@@ -240,7 +240,7 @@ TEST_CASE_TEMPLATE("buckets ending inside segments and in padding give exact val
           }
         }
         // Padding and the segments present nowhere stay zero.
-        const std::span<const W> all = mean.gradients.template flat<W>();
+        const std::vector<W> all = gradaccum::test::flat_values<W>(mean.gradients);
         const auto* layout = mean.gradients.layout();
         std::size_t zeros = 0;
         std::size_t expected_zeros = all.size();

@@ -37,7 +37,7 @@ using bits_t = std::conditional_t<sizeof(W) == 4, std::uint32_t, std::uint64_t>;
 template <class W, class B>
 bool shard_matches(const gradaccum::sharded_gradients<B>& shard, const gradaccum::accumulated_gradients<B>& full) {
   const std::span<const W> mine = shard.template values<W>();
-  const std::span<const W> all = full.gradients.template flat<W>();
+  const std::vector<W> all = gradaccum::test::flat_values<W>(full.gradients);
   const gradaccum::shard_range& range = shard.range();
   if (mine.size() != range.size) return false;
   for (std::size_t i = 0; i < range.size; ++i) {
@@ -92,7 +92,7 @@ std::vector<std::uint64_t> piece_elements(const gradaccum::sharded_gradients<B>&
   for (const gradaccum::shard_piece& piece : shard.pieces()) {
     CHECK(shard.is_present(piece.position));
     CHECK(piece.id == (*shard.layout())[piece.position].id);
-    const std::span<const W> values = full.gradients.template values<W>(piece.id);
+    const std::vector<W> values = gradaccum::test::values_of<W>(full.gradients, piece.id);
     REQUIRE(piece.parameter_offset + piece.size <= values.size());
     for (std::size_t i = 0; i < piece.size; ++i) {
       CHECK(std::bit_cast<bits_t<W>>(mine[piece.offset + i]) ==
@@ -201,7 +201,7 @@ TEST_CASE_TEMPLATE("shards of sums that round: bit for bit on 1 and 2 ranks, on 
       CHECK(shard_matches<W>(shard, full));
     } else {  // MPI may add three or more ranks' values in another order: rounding only
       const std::span<const W> mine = shard.template values<W>();
-      const std::span<const W> all = full.gradients.template flat<W>();
+      const std::vector<W> all = gradaccum::test::flat_values<W>(full.gradients);
       for (std::size_t i = 0; i < shard.range().stored; ++i) {
         const W expected = all[shard.range().begin + i];
         CHECK(std::abs(mine[i] - expected) <= 4 * std::numeric_limits<W>::epsilon() * std::abs(expected));
@@ -242,8 +242,9 @@ TEST_CASE_TEMPLATE("the sharded global norm has the full norm's bits on any numb
     CHECK(std::bit_cast<std::uint64_t>(sharded) == std::bit_cast<std::uint64_t>(gradaccum::global_norm(full)));
     // Not a property of any order: adding the squares one after another rounds differently.
     double sequential = 0.0;
-    for (const W v : full.gradients.template flat<W>()) sequential += static_cast<double>(v) * static_cast<double>(v);
-    CHECK(sequential != gradaccum::detail::add_block_sums(full.gradients.template flat<W>(), 0.0));
+    const std::vector<W> all = gradaccum::test::flat_values<W>(full.gradients);
+    for (const W v : all) sequential += static_cast<double>(v) * static_cast<double>(v);
+    CHECK(sequential != gradaccum::detail::add_block_sums(std::span<const W>(all), 0.0));
   });
 }
 

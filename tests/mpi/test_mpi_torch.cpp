@@ -71,11 +71,12 @@ TEST_CASE_TEMPLATE("allreduce_mean of torch gradients equals one process accumul
   named.insert("b", at::zeros({4}, at::kBFloat16).requires_grad_());
   gradaccum::write_gradients(named, mean.gradients);
   const at::Tensor w_grad = named["w"].grad().contiguous();
-  const auto w_values = mean.gradients.template values<W>("w");
+  const at::Tensor w_values = mean.gradients.template get<W>("w")->contiguous();  // on the window's device
   bool same = true;
-  for (std::size_t i = 0; i < w_values.size(); ++i)
-    same &= w_grad.data_ptr<float>()[i] == static_cast<float>(w_values[i]);
+  for (std::int64_t i = 0; i < w_values.numel(); ++i)
+    same &= w_grad.data_ptr<float>()[i] == static_cast<float>(w_values.data_ptr<W>()[i]);
   CHECK(same);
+  CHECK(w_values.numel() == 12);
   CHECK((named["b"].grad().scalar_type() == at::kBFloat16));
 }
 

@@ -42,12 +42,12 @@ class gradients_accumulator<B>::restorer {
     // On a throw the segment may hold part of the values: it stays absent, so it is zeroed.
     try {
       if (dtype == float_dtype::f64) {
-        values.into(std::span<double>(storage_->data<double>() + s.offset, s.size));
+        restore_into<double>(position, values);
       } else {
-        values.into(std::span<float>(storage_->data<float>() + s.offset, s.size));
+        restore_into<float>(position, values);
       }
     } catch (...) {
-      std::memset(storage_->bytes.get() + s.offset * storage_->element_size(), 0, s.size * storage_->element_size());
+      storage_->zero_segment(position, s.offset, s.size);
       throw;
     }
     storage_->mark_present(position);
@@ -79,7 +79,7 @@ class gradients_accumulator<B>::restorer {
     for (std::size_t position = 0; position < stale_.size(); ++position) {
       if (stale_[position] == 0 || storage_->present[position] != 0) continue;
       const flat_segment<B>& s = (*layout_)[position];
-      std::memset(storage_->bytes.get() + s.offset * storage_->element_size(), 0, s.size * storage_->element_size());
+      storage_->zero_segment(position, s.offset, s.size);
     }
     if (layout_) target_->layout_ = layout_;
     target_->remember(target_->pending_);  // the buffer replaced serves a later load or window
@@ -128,12 +128,9 @@ class gradients_accumulator<B>::restorer {
   /// `values` in work dtype W.
   template <class W, class Block>
   void read_block(const Block& block) {
-    const std::optional<std::size_t> base = block_base<W>(block);
+    const std::optional<std::size_t> base = storage_ && storage_->device ? std::nullopt : block_base<W>(block);
     if (!base) {
-      block.each([&](std::size_t i, const auto& values) {
-        const flat_segment<B>& s = (*layout_)[placed_[i]];
-        values.into(std::span<W>(storage_->data<W>() + s.offset, s.size));
-      });
+      block.each([&](std::size_t i, const auto& values) { restore_into<W>(placed_[i], values); });
       return;
     }
     const std::size_t end = *base + block.bytes() / sizeof(W);
@@ -149,6 +146,20 @@ class gradients_accumulator<B>::restorer {
       at = s.offset + s.size;
     }
     block.check_zero(bytes + at * sizeof(W), (end - at) * sizeof(W));
+  }
+
+  /// `values.into` segment `position`: straight into host memory, or through a host copy of
+  /// the tensor onto its device.
+  template <class W, class Values>
+  void restore_into(std::size_t position, const Values& values) {
+    if (!storage_->device) {
+      const flat_segment<B>& s = (*layout_)[position];
+      values.into(std::span<W>(storage_->data<W>() + s.offset, s.size));
+      return;
+    }
+    std::vector<W> staged((*layout_)[position].size);
+    values.into(std::span<W>(staged));
+    storage_->device->write(position, 0, std::as_bytes(std::span<const W>(staged)));
   }
 
   /// Where the block's first value goes in the buffer, if every tensor placed is at the
@@ -174,7 +185,7 @@ class gradients_accumulator<B>::restorer {
     std::vector<std::uint8_t> absent(layout_->size(), 0);  // may throw: nothing is taken yet
     storage_ = target_->recycle(layout_, dtype, false);
     if (!storage_) {
-      storage_ = detail::flat_storage::allocate(dtype, layout_->elements(), layout_->size());
+      storage_ = detail::allocate_storage(*layout_, dtype);
       return;
     }
     storage_->present.swap(absent);

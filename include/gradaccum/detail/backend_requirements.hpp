@@ -16,6 +16,10 @@ namespace gradaccum::detail {
 template <class B>
 concept has_views = requires { typename B::template view<float>; };
 
+/// Whether B keeps windows on its devices (`<gradaccum/device_buffers.hpp>`).
+template <class B>
+concept has_buffers = requires { typename B::template buffer<float>; };
+
 template <class B>
 concept has_backend_types = requires {
   typename B::device_type;
@@ -24,21 +28,34 @@ concept has_backend_types = requires {
   typename B::template tensor<double>;
 };
 
-/// What the library does with an incoming gradient of type X (a tensor or a view).
+/// How a gradient X is added: into a span of the host buffer, or for a backend with device
+/// buffers into one of those (`<gradaccum/device_buffers.hpp>`).
 template <class B, class X>
-concept backend_input = requires(const X& g, std::span<float> acc32, std::span<double> acc64) {
-  { B::shape(g) } -> std::same_as<tensor_shape>;
-  { B::device(g) } -> std::convertible_to<typename B::device_type>;
+concept host_add = requires(const X& g, std::span<float> acc32, std::span<double> acc64) {
   { B::add_scaled(acc32, g, 1.0F) } noexcept;
   { B::add_scaled(acc64, g, 1.0) } noexcept;
+};
+template <class B, class X>
+concept device_add = requires(const X& g, typename B::template buffer<float>& b32,
+                              typename B::template buffer<double>& b64) {
+  { B::add_scaled(b32, std::size_t{}, g, 1.0F) } noexcept;
+  { B::add_scaled(b64, std::size_t{}, g, 1.0) } noexcept;
+};
+
+/// What the library does with an incoming gradient of type X (a tensor or a view).
+template <class B, class X>
+concept backend_input = requires(const X& g) {
+  { B::shape(g) } -> std::same_as<tensor_shape>;
+  { B::device(g) } -> std::convertible_to<typename B::device_type>;
   { B::template convert<float>(g) } -> std::same_as<typename B::template tensor<float>>;
   { B::template convert<double>(g) } -> std::same_as<typename B::template tensor<double>>;
-};
+} && ((!has_buffers<B> && host_add<B, X>) || (has_buffers<B> && device_add<B, X>));
 
 /// How the library shows a segment of work type W.
 template <class B, class W>
-concept backend_work = requires(std::span<const W> values, const tensor_shape& shape,
-                                const typename B::device_type& device) { B::template map<W>(values, shape, device); };
+concept backend_work =
+    has_buffers<B> || requires(std::span<const W> values, const tensor_shape& shape,
+                               const typename B::device_type& device) { B::template map<W>(values, shape, device); };
 
 template <class B, class T>
 struct element_supported : std::bool_constant<element_type<T> && backend_input<B, typename B::template tensor<T>> &&

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gradaccum/backend.hpp"
+#include "gradaccum/device_buffers.hpp"
 #include "gradaccum/type_list.hpp"
 
 namespace gradaccum::detail {
@@ -280,20 +281,34 @@ void reserve_geometric(stable_vector<T>& v, std::size_t count) {
   if (count > v.capacity()) v.reserve(std::max(count, 2 * v.capacity()));
 }
 
+/// Where an add writes: a host segment, or for a `device_buffers_backend` a device buffer and
+/// the segment's offset in it.
+template <class B, class W>
+struct device_target {
+  typename B::template buffer<W>* buffer;
+  std::size_t offset;
+};
+template <class B, class W>
+using add_target = std::conditional_t<device_buffers_backend<B>, device_target<B, W>, std::span<W>>;
+
 /// The adds of one stored alternative into F32 and F64 sums. An entry takes them where its
 /// type is known (at insert), so a program instantiates the kernels of the element types it
 /// inserts, not of every type the backend supports.
 template <class B>
 struct gradient_adds {
   template <class W>
-  using add = void (*)(std::span<W>, const gradient_variant_t<B>&, W) noexcept;
+  using add = void (*)(add_target<B, W>, const gradient_variant_t<B>&, W) noexcept;
   add<float> f32;
   add<double> f64;
 };
 
 template <class B, class Stored, class W>
-void add_stored(std::span<W> acc, const gradient_variant_t<B>& value, W scale) noexcept {
-  B::add_scaled(acc, unwrap(*std::get_if<Stored>(&value)), scale);
+void add_stored(add_target<B, W> acc, const gradient_variant_t<B>& value, W scale) noexcept {
+  if constexpr (device_buffers_backend<B>) {
+    B::add_scaled(*acc.buffer, acc.offset, unwrap(*std::get_if<Stored>(&value)), scale);
+  } else {
+    B::add_scaled(acc, unwrap(*std::get_if<Stored>(&value)), scale);
+  }
 }
 
 template <class B, class Stored>

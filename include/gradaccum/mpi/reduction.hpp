@@ -276,7 +276,8 @@ void normalize(W* x, std::size_t count, W s, W w) noexcept {
 /// global state.
 template <class B>
 struct agreed_window {
-  flat_gradients<B> gradients;
+  flat_gradients<B> gradients;           // host memory, for MPI
+  std::shared_ptr<flat_storage> device;  // a device window's buffers, which the result goes back to
   weighted_accumulation_state state;
   std::size_t begin = 0;  // elements [begin, end) hold every present segment: the ones reduced
   std::size_t end = 0;
@@ -302,10 +303,13 @@ inline void note_reduction(std::uint64_t number) noexcept {
 template <class B>
 struct local_window {
   std::shared_ptr<const flat_layout<B>> layout;
-  std::shared_ptr<flat_storage> storage;
-  std::vector<std::uint64_t> present;  // one bit per parameter position, for the presence exchange
+  std::shared_ptr<flat_storage> storage;  // host memory
+  std::shared_ptr<flat_storage> device;   // for a window on devices: where the result goes back
+  std::vector<std::uint64_t> present;     // one bit per parameter position, for the presence exchange
 
-  local_window(const parameter_set<B>& params, const accumulated_gradients<B>& sums) {
+  /// `whole_result`: the caller returns the whole result (not a shard), so a window on devices
+  /// goes back to them.
+  local_window(const parameter_set<B>& params, const accumulated_gradients<B>& sums, bool whole_result) {
     validate(sums.state);
     const flat_gradients<B>& g = sums.gradients;
     if (sums.state.total_weight == 0.0 && !g.empty()) {
@@ -319,19 +323,26 @@ struct local_window {
     const auto& own_storage = flat_access::storage(g);
     layout =
         own_layout && own_layout->laid_out_for(params) ? own_layout : std::make_shared<const flat_layout<B>>(params);
-    if (own_storage && layout == own_layout && own_storage->dtype == sums.state.dtype) {
+    const bool fits = own_storage && layout == own_layout && own_storage->dtype == sums.state.dtype;
+    if (fits && !own_storage->device) {
       storage = own_storage;
     } else {
+      // A window on devices is reduced through a copy in host memory, and its result goes back
+      // into its own buffers (or new ones, laid out for `params`), allocated here, before the agreement.
       storage = flat_storage::allocate(sums.state.dtype, layout->elements(), layout->size());
       for (const auto& e : g) copy_into_layout(e, g);
+      if constexpr (device_buffers_backend<B>) {
+        if (whole_result) device = fits ? own_storage : allocate_storage(*layout, sums.state.dtype);
+      }
     }
     present.resize((layout->size() + 63) / 64);
   }
 
-  /// Takes the buffer (the caller's sums are moved from here, once nothing can fail).
-  [[nodiscard]] flat_gradients<B> take(accumulated_gradients<B>& sums) noexcept {
+  /// Takes the buffers into `window` (the caller's sums are moved from here, once nothing can fail).
+  void take(accumulated_gradients<B>& sums, agreed_window<B>& window) noexcept {
     sums.gradients = {};
-    return flat_access::make(std::move(layout), std::move(storage));
+    window.gradients = flat_access::make(std::move(layout), std::move(storage));
+    window.device = std::move(device);
   }
 
  private:
@@ -348,10 +359,7 @@ struct local_window {
                " but its parameter has shape " + s.shape.to_string() + ".",
            std::string(e.id));
     }
-    visit_work_dtype(storage->dtype, [&]<class W>() {
-      const std::span<const W> values = from.template values<W>(e);
-      std::copy(values.begin(), values.end(), storage->data<W>() + s.offset);
-    });
+    copy_segment(*flat_access::storage(from), e.position, e.offset, *storage, *position, s.offset, e.size);
     storage->mark_present(*position);
   }
 };
@@ -458,7 +466,9 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   std::exception_ptr local_failure;
   errc local_code = errc::invalid_state;
   try {
-    local = std::make_unique<local_window<B>>(params, sums);
+    const bool whole_result =
+        collectives == value_collectives::allreduce || collectives == value_collectives::started_allreduce;
+    local = std::make_unique<local_window<B>>(params, sums, whole_result);
     reserve(local->layout->elements());
   } catch (const error& e) {
     local_failure = std::current_exception();
@@ -520,8 +530,26 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
     window.begin = layout[first].offset;
     window.end = layout[last].offset + layout[last].size;
   }
-  window.gradients = local->take(sums);
+  local->take(sums, window);
   return window;
+}
+
+/// The reduced window as its backend holds it: the host buffer, or for a window on devices its
+/// values copied back into the device buffers (a failure there, after the collectives, is this
+/// rank's alone).
+template <class B>
+flat_gradients<B> result_of(agreed_window<B>& window) {
+  if (!window.device) return std::move(window.gradients);
+  const flat_layout<B>& layout = *flat_access::layout(window.gradients);
+  const flat_storage& host = *flat_access::storage(window.gradients);
+  flat_storage& device = *window.device;
+  for (std::size_t position = 0; position < layout.size(); ++position) {
+    if (host.present[position] == 0) continue;
+    copy_segment(host, position, layout[position].offset, device, position, 0, layout[position].size);
+  }
+  device.present = host.present;  // same length: no allocation
+  device.present_count = host.present_count;
+  return flat_access::make(flat_access::layout(window.gradients), std::move(window.device));
 }
 
 /// Sums [begin, end) of `values`, at most one bucket, over `comm` in place and normalizes it.

@@ -14,13 +14,17 @@
 /// - `torch_parameters`, `torch_gradients`, `write_gradients`: a module's `named_parameters()`
 ///   in, a finished mean back into the parameters' `.grad()`, for a `torch::optim` step.
 ///
-/// Arithmetic: the library's kernels on CPU memory, through the tensor's strides, so results are
-/// bit-identical to the Eigen and xtensor backends. Not ATen's `add_(g, alpha)`, which fuses the
-/// multiply into the add (one rounding; the contract rounds twice). A gradient on another device
-/// is copied to the host as it is (its own dtype, exact) when it goes in, and then added by the
-/// same kernels, because the window's buffer is host memory. So is a tensor whose values are not
-/// its memory: a lazy negation (`_neg_view`) is resolved, and a zero tensor
-/// (`_efficientzerotensor`, which has no memory) reads as zeros.
+/// Windows live where the parameters do: `torch_backend` provides device buffers
+/// (`<gradaccum/device_buffers.hpp>`), one flat tensor of the work dtype per device, and adds
+/// with libtorch's own operations on that device, a CUDA window without a host round trip. The
+/// contract's roundings hold: a gradient is converted to the work dtype (exact), multiplied by
+/// its scale (one rounding) and added (one rounding), never `add_(g, alpha)`, which may fuse the
+/// two; divisions are true divisions by a value on the device (a CPU scalar would let CUDA
+/// multiply by its reciprocal). Each operation rounds per element, so a window gives the same
+/// bits on the CPU, on CUDA and on the Eigen and xtensor backends. Results (`get<W>`) are tensors
+/// viewing the window's buffer, on its device. The multiply goes through a scratch tensor of at
+/// most 4 Mi elements per device, so a gradient of another dtype or scale costs three passes
+/// (convert, multiply, add) where `accumulate_sum` of a gradient of the work dtype costs one.
 ///
 /// @code
 /// auto named = model->named_parameters();
@@ -81,36 +85,37 @@ struct element_dtype<c10::BFloat16> {
 
 /// @brief A `torch::Tensor` whose dtype is T's (`c10::Half`, `c10::BFloat16`, `float`,
 /// `double`): the typed form the library stores. A handle, like the tensor itself: copying it
-/// shares the storage; any device, any strides. A tensor off the CPU, with the negation bit, or
-/// a zero tensor is copied to the host once, here (its own dtype, exact: its values, not its
-/// memory), so that adding it later cannot fail half-way.
+/// shares the storage; any device, any strides. It is read where it is, when it is added.
 template <class T>
 class torch_tensor {
  public:
   /// @throws error(errc::invalid_dtype) unless `value` is a defined, strided tensor of T's dtype;
   /// error(errc::parameter_mismatch) when it has no values to read (the meta device, a nested
-  /// tensor, a storage that does not hold its elements) or libtorch fails to copy it to the host.
+  /// tensor, a storage that does not hold its elements).
   explicit torch_tensor(at::Tensor value);
 
   /// @brief The tensor, as the caller gave it.
   [[nodiscard]] const at::Tensor& tensor() const noexcept { return value_; }
 
-  /// @brief Its values in host memory: the tensor itself on the CPU, else its copy.
-  [[nodiscard]] const at::Tensor& host() const noexcept { return host_; }
-
  private:
   at::Tensor value_;
-  at::Tensor host_;
+};
+
+/// @brief A window's values on one device (`torch_backend::buffer<W>`): a flat tensor of the
+/// work dtype, and what its adds and divisions need there, allocated with it.
+struct torch_buffer {
+  at::Tensor values;    ///< 1-D, the device's segments back to back
+  at::Tensor scratch;   ///< 1-D, room for one piece of a gradient converted and scaled
+  at::Tensor divisors;  ///< 2 elements on the device: `divide`'s divisors
 };
 
 /// @brief Traits that adapt `torch::Tensor`s to `serializable_backend` (see the file comment).
 ///
 /// Devices are `c10::Device`s: a gradient must be on its parameter's device. A tensor is read
-/// where it is when it lives on the CPU (the storage must outlive the accumulation call, as a
-/// module's parameters and gradients do), else copied to the host when it goes in (`adapt`,
-/// which may throw), never while it is added. Results (`map`) are CPU
-/// tensors viewing the window's buffer; `write_gradients` copies them to each parameter's device
-/// and dtype. Records hold row-major values, so they restore into any other backend.
+/// where it is when it is added (its storage must outlive the accumulation call, as a module's
+/// parameters and gradients do). Results (`map`) are tensors viewing the window's buffer on its
+/// device; `write_gradients` copies them into each parameter's `.grad()` there. Records hold
+/// row-major values, so they restore into any other backend.
 struct torch_backend {
   using device_type = c10::Device;
   using element_types = type_list<c10::Half, c10::BFloat16, float, double>;
@@ -135,13 +140,32 @@ struct torch_backend {
     return x.tensor().device();
   }
 
-  /// acc (row-major) += scale · W(g) through the strides of g's host values (no allocation).
-  template <class W, class T>
-  static void add_scaled(std::span<W> acc, const tensor<T>& g, W scale) noexcept;
-
-  /// A CPU tensor of dtype W viewing the row-major `values` (not a copy; do not write through it).
+  /// @brief The window's values on one device (see `torch_buffer`).
   template <class W>
-  static at::Tensor map(std::span<const W> values, const tensor_shape& s, const device_type& device);
+  using buffer = torch_buffer;
+
+  /// `count` zeros of W on `device`, with a scratch of min(`largest`, 4 Mi) elements.
+  /// @throws std::bad_alloc when libtorch cannot allocate them.
+  template <class W>
+  static buffer<W> allocate(std::size_t count, std::size_t largest, const device_type& device);
+
+  /// acc[offset, offset + numel(g)) += scale · W(g), on acc's device, rounding twice.
+  template <class W, class T>
+  static void add_scaled(buffer<W>& acc, std::size_t offset, const tensor<T>& g, W scale) noexcept;
+
+  /// A tensor of dtype W and shape `s` viewing the buffer from `offset`, on its device.
+  template <class W>
+  static at::Tensor map(const buffer<W>& b, std::size_t offset, const tensor_shape& s, const device_type& device);
+
+  template <class W>
+  static void divide(buffer<W>& b, std::size_t offset, std::size_t count, W first, W second) noexcept;
+  template <class W>
+  static void zero(buffer<W>& b, std::size_t offset, std::size_t count) noexcept;
+  /// Host staging. @throws error(errc::parameter_mismatch) when libtorch fails to copy.
+  template <class W>
+  static void read(const buffer<W>& b, std::size_t offset, std::span<W> out);
+  template <class W>
+  static void write(buffer<W>& b, std::size_t offset, std::span<const W> in);
 
   /// An owned, contiguous copy in element type W, on the tensor's device.
   template <class W, class T>
@@ -264,7 +288,6 @@ torch_tensor<T>::torch_tensor(at::Tensor value) : value_(std::move(value)) {
                                           "> must hold a defined, strided tensor of that dtype.");
   }
   detail::torch_check_readable(value_);
-  host_ = detail::torch_host_values(value_);
 }
 
 inline torch_backend::input torch_backend::adapt(const at::Tensor& x) {
@@ -292,29 +315,115 @@ tensor_shape torch_backend::shape(const tensor<T>& x) {
   return tensor_shape(std::span<const std::int64_t>(sizes.data(), sizes.size()));
 }
 
+namespace detail {
+
+inline constexpr std::int64_t torch_scratch_elements = std::int64_t{1} << 22;
+
+template <class W>
+at::TensorOptions torch_options(const c10::Device& device) {
+  return at::TensorOptions().dtype(torch_scalar_type<W>).device(device);
+}
+
+/// acc += scale · W(g) through `scratch`, in pieces of at most its size along g's leading axes.
+inline void torch_add_scaled_pieces(const at::Tensor& acc, const at::Tensor& g, const at::Scalar& scale, bool scaled,
+                                    const at::Tensor& scratch) {
+  const std::int64_t n = g.numel();
+  if (n <= scratch.numel()) {
+    at::Tensor staged = scratch.narrow(0, 0, n).view(g.sizes());
+    staged.copy_(g);  // to the work dtype: exact
+    if (scaled) staged.mul_(scale);
+    acc.add_(staged);
+    return;
+  }
+  const std::int64_t rows = g.size(0);
+  const std::int64_t per_row = n / rows;
+  if (per_row > scratch.numel()) {
+    for (std::int64_t i = 0; i < rows; ++i)
+      torch_add_scaled_pieces(acc.select(0, i), g.select(0, i), scale, scaled, scratch);
+    return;
+  }
+  const std::int64_t step = scratch.numel() / per_row;
+  for (std::int64_t i = 0; i < rows; i += step) {
+    const std::int64_t k = std::min(step, rows - i);
+    torch_add_scaled_pieces(acc.narrow(0, i, k), g.narrow(0, i, k), scale, scaled, scratch);
+  }
+}
+
+}  // namespace detail
+
+template <class W>
+torch_buffer torch_backend::allocate(std::size_t count, std::size_t largest, const device_type& device) {
+  try {
+    const auto options = detail::torch_options<W>(device);
+    const auto scratch = std::min(static_cast<std::int64_t>(largest), detail::torch_scratch_elements);
+    return {at::zeros({static_cast<std::int64_t>(count)}, options), at::empty({scratch}, options),
+            at::ones({2}, options)};
+  } catch (const c10::Error&) {
+    throw std::bad_alloc();
+  }
+}
+
 template <class W, class T>
-void torch_backend::add_scaled(std::span<W> acc, const tensor<T>& g, W scale) noexcept {
-  gradaccum::add_scaled(acc, detail::torch_host_view<T>(g.host(), shape(g)), scale);
+void torch_backend::add_scaled(buffer<W>& acc, std::size_t offset, const tensor<T>& g, W scale) noexcept {
+  const at::Tensor& x = g.tensor();
+  const at::Tensor segment = acc.values.narrow(0, static_cast<std::int64_t>(offset), x.numel()).view(x.sizes());
+  if (std::is_same_v<T, W> && scale == W{1}) {
+    segment.add_(x);  // nothing to convert or scale: one pass, one rounding
+  } else {
+    detail::torch_add_scaled_pieces(segment, x, at::Scalar(scale), scale != W{1}, acc.scratch);
+  }
 }
 
 template <class W>
-at::Tensor torch_backend::map(std::span<const W> values, const tensor_shape& s, const device_type& /*device*/) {
-  // from_blob takes a mutable pointer; results are handed out read-only by contract.
-  return at::from_blob(const_cast<W*>(values.data()), detail::torch_sizes(s),
-                       at::TensorOptions().dtype(detail::torch_scalar_type<W>));
+at::Tensor torch_backend::map(const buffer<W>& b, std::size_t offset, const tensor_shape& s,
+                              const device_type& /*device*/) {
+  const auto count = static_cast<std::int64_t>(*s.checked_element_count());
+  return b.values.narrow(0, static_cast<std::int64_t>(offset), count).view(detail::torch_sizes(s));
+}
+
+template <class W>
+void torch_backend::divide(buffer<W>& b, std::size_t offset, std::size_t count, W first, W second) noexcept {
+  at::Tensor segment = b.values.narrow(0, static_cast<std::int64_t>(offset), static_cast<std::int64_t>(count));
+  // A 0-dim tensor on the device, not a scalar: CUDA multiplies by a scalar's reciprocal.
+  if (first != W{1}) segment.div_(b.divisors[0].fill_(first));
+  if (second != W{1}) segment.div_(b.divisors[1].fill_(second));
+}
+
+template <class W>
+void torch_backend::zero(buffer<W>& b, std::size_t offset, std::size_t count) noexcept {
+  b.values.narrow(0, static_cast<std::int64_t>(offset), static_cast<std::int64_t>(count)).zero_();
+}
+
+template <class W>
+void torch_backend::read(const buffer<W>& b, std::size_t offset, std::span<W> out) {
+  detail::torch_guarded({}, [&] {
+    const auto n = static_cast<std::int64_t>(out.size());
+    at::from_blob(out.data(), {n}, at::TensorOptions().dtype(detail::torch_scalar_type<W>))
+        .copy_(b.values.narrow(0, static_cast<std::int64_t>(offset), n));
+  });
+}
+
+template <class W>
+void torch_backend::write(buffer<W>& b, std::size_t offset, std::span<const W> in) {
+  detail::torch_guarded({}, [&] {
+    const auto n = static_cast<std::int64_t>(in.size());
+    b.values.narrow(0, static_cast<std::int64_t>(offset), n)
+        .copy_(at::from_blob(const_cast<W*>(in.data()), {n}, at::TensorOptions().dtype(detail::torch_scalar_type<W>)));
+  });
 }
 
 template <class W, class T>
 torch_tensor<W> torch_backend::convert(const tensor<T>& x) {
   const tensor_shape s = shape(x);
   at::Tensor out = at::empty(detail::torch_sizes(s), at::TensorOptions().dtype(detail::torch_scalar_type<W>));
-  copy_row_major(detail::torch_host_view<T>(x.host(), s), std::span<W>(static_cast<W*>(out.data_ptr()), out.numel()));
+  copy_row_major(detail::torch_host_view<T>(detail::torch_host_values(x.tensor()), s),
+                 std::span<W>(static_cast<W*>(out.data_ptr()), out.numel()));
   return tensor<W>(x.tensor().is_cpu() ? out : detail::torch_guarded({}, [&] { return out.to(x.tensor().device()); }));
 }
 
 template <class T>
 void torch_backend::to_row_major(const tensor<T>& t, std::span<T> out) {
-  copy_row_major(detail::torch_host_view<T>(t.host(), shape(t)), out);
+  copy_row_major(detail::torch_host_view<T>(detail::torch_host_values(t.tensor()), shape(t)), out);
 }
 
 template <class T>
@@ -354,7 +463,15 @@ inline bool torch_writable_grad(const at::Tensor& grad, const at::Tensor& param,
       !torch_unreadable(grad).empty()) {
     return false;
   }
-  return !grad.is_cpu() || at::get_overlap_status(grad, values) != at::MemOverlapStatus::Partial;
+  return at::get_overlap_status(grad, values) != at::MemOverlapStatus::Partial;
+}
+
+/// A new `.grad()` for `param` holding `values`: a copy in its dtype, on its device.
+inline at::Tensor torch_new_grad(const std::string& id, const at::Tensor& values, const at::Tensor& param) {
+  return torch_guarded(id, [&] {
+    return values.to(at::TensorOptions().dtype(param.scalar_type()).device(param.device()), /*non_blocking=*/false,
+                     /*copy=*/true);
+  });
 }
 
 }  // namespace detail
@@ -389,21 +506,19 @@ inline void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& n
         detail::fail(errc::invalid_dtype,
                      "parameter '" + id + "' has dtype " + c10::toString(dtype) + ", not F16, BF16, F32 or F64.", id);
       }
-      const std::span<const W> values = mean.template values<W>(id);
-      if (values.size() != static_cast<std::size_t>(p.numel())) {
+      const at::Tensor result = *mean.template get<W>(id);  // a view of the window's buffer
+      if (result.numel() != p.numel()) {
         detail::fail(errc::parameter_mismatch,
-                     "gradient '" + id + "' has " + std::to_string(values.size()) + " elements but its parameter " +
+                     "gradient '" + id + "' has " + std::to_string(result.numel()) + " elements but its parameter " +
                          std::to_string(p.numel()) + ".",
                      id);
       }
-      const at::Tensor host = at::from_blob(const_cast<W*>(values.data()), p.sizes(),
-                                            at::TensorOptions().dtype(detail::torch_scalar_type<W>));
-      const bool in_place = p.grad().defined() && detail::torch_writable_grad(p.grad(), p, host);
-      // A new .grad() must not share the window's buffer, so it is always a copy.
-      at::Tensor staged = in_place && p.is_cpu() ? host : detail::torch_guarded(id, [&] {
-        return host.to(at::TensorOptions().dtype(dtype).device(p.device()), /*non_blocking=*/false, /*copy=*/true);
-      });
-      writes.push_back({id, p, std::move(staged), in_place});
+      const at::Tensor values = result.view(p.sizes());
+      const bool in_place =
+          p.grad().defined() && values.device() == p.device() && detail::torch_writable_grad(p.grad(), p, values);
+      // Copied into .grad() where it is written in place; a new .grad() must not share the
+      // window's buffer (the next window reuses it), so it is a copy, made on the device.
+      writes.push_back({id, p, in_place ? values : detail::torch_new_grad(id, values, p), in_place});
     });
   });
   // Two .grad()s sharing memory cannot each hold their own values: both get new tensors. An
@@ -433,10 +548,7 @@ inline void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& n
       write& w = writes[shared];
       if (!w.in_place) continue;
       w.in_place = false;
-      if (w.values.is_cpu() && w.param.is_cpu()) {  // still the window's buffer: copy it
-        w.values = detail::torch_guarded(
-            w.id, [&] { return w.values.to(w.param.scalar_type(), /*non_blocking=*/false, /*copy=*/true); });
-      }
+      w.values = detail::torch_new_grad(w.id, w.values, w.param);  // it was the window's buffer
     }
     if (ranges[k].end > ranges[reach].end) reach = k;
   }

@@ -1,0 +1,97 @@
+#pragma once
+/// @file
+/// @brief `device_backend`: the test-only `vector_backend` with windows on its devices.
+///
+/// Its tensors are `vector_backend`'s (devices 0 and 1); a window's values live in
+/// `buffer<W>`s whose storage is private, so the library reaches them only through the
+/// operations of `<gradaccum/device_buffers.hpp>`, as it must reach an accelerator's memory.
+/// The arithmetic is `gradaccum::kernels`', so its bits are the host window's.
+
+#include <algorithm>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include <gradaccum/device_buffers.hpp>
+#include <gradaccum/kernels.hpp>
+
+#include "test_backend.hpp"
+
+namespace gradaccum::test {
+
+struct device_backend {
+  using device_type = int;
+  using element_types = vector_backend::element_types;
+  template <class T>
+  using tensor = vector_backend::tensor<T>;
+  template <class T>
+  using view = vector_backend::view<T>;
+
+  /// W values on one device; nothing outside this backend can reach them.
+  template <class W>
+  class buffer {
+    friend struct device_backend;
+    std::vector<W> values_;
+    device_type device_ = 0;
+  };
+
+  template <class X>
+  static tensor_shape shape(const X& x) noexcept {
+    return x.shape;
+  }
+  template <class X>
+  static device_type device(const X& x) noexcept {
+    return x.device;
+  }
+  template <class W, class X>
+  static tensor<W> convert(const X& x) {
+    return vector_backend::convert<W>(x);
+  }
+
+  template <class T>
+  static void to_row_major(const tensor<T>& t, std::span<T> out) {
+    vector_backend::to_row_major(t, out);
+  }
+  template <class T>
+  static tensor<T> from_row_major(std::span<const T> values, const tensor_shape& shape, const device_type& device) {
+    return vector_backend::from_row_major(values, shape, device);
+  }
+
+  template <class W>
+  static buffer<W> allocate(std::size_t count, std::size_t /*largest*/, const device_type& device) {
+    buffer<W> b;
+    b.values_.assign(count, W{0});
+    b.device_ = device;
+    return b;
+  }
+  template <class W, class X>
+  static void add_scaled(buffer<W>& acc, std::size_t offset, const X& g, W scale) noexcept {
+    kernels::add_scaled(acc.values_.data() + offset, g.values.data(), g.values.size(), scale);
+  }
+  /// A result: a view of the device buffer, on its device.
+  template <class W>
+  static view<W> map(const buffer<W>& b, std::size_t offset, const tensor_shape& shape, const device_type& device) {
+    return {std::span<const W>(b.values_).subspan(offset, *shape.checked_element_count()), shape, device};
+  }
+  template <class W>
+  static void divide(buffer<W>& b, std::size_t offset, std::size_t count, W first, W second) noexcept {
+    kernels::divide(b.values_.data() + offset, count, first, second);
+  }
+  template <class W>
+  static void zero(buffer<W>& b, std::size_t offset, std::size_t count) noexcept {
+    std::fill_n(b.values_.begin() + static_cast<std::ptrdiff_t>(offset), count, W{0});
+  }
+  template <class W>
+  static void read(const buffer<W>& b, std::size_t offset, std::span<W> out) {
+    std::copy_n(b.values_.begin() + static_cast<std::ptrdiff_t>(offset), out.size(), out.begin());
+  }
+  template <class W>
+  static void write(buffer<W>& b, std::size_t offset, std::span<const W> in) {
+    std::copy(in.begin(), in.end(), b.values_.begin() + static_cast<std::ptrdiff_t>(offset));
+  }
+};
+
+static_assert(detail::check_backend<device_backend>());
+static_assert(serializable_backend<device_backend> && device_buffers_backend<device_backend>);
+
+}  // namespace gradaccum::test
