@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <span>
+#include <stdexcept>
 #include <vector>
 
 #include <gradaccum/device_buffers.hpp>
@@ -81,8 +82,15 @@ struct device_backend {
   static void zero(buffer<W>& b, std::size_t offset, std::size_t count) noexcept {
     std::fill_n(b.values_.begin() + static_cast<std::ptrdiff_t>(offset), count, W{0});
   }
+  /// The most elements one `read` copied to the host, and whether reads fail (a device copy
+  /// that fails), for the tests of host staging.
+  static inline std::size_t largest_read = 0;
+  static inline bool fail_reads = false;
+
   template <class W>
   static void read(const buffer<W>& b, std::size_t offset, std::span<W> out) {
+    if (fail_reads) throw std::runtime_error("device_backend: the device copy failed");
+    largest_read = std::max(largest_read, out.size());
     std::copy_n(b.values_.begin() + static_cast<std::ptrdiff_t>(offset), out.size(), out.begin());
   }
   template <class W>

@@ -311,9 +311,57 @@ TEST_CASE("a device window's checkpoint holds the host window's bytes and restor
     check_same_bits<double>(restored.pending(), reference.pending());
     CHECK(restored.state().microbatches == 2);
   }
+  // Saved through one host piece at a time: the largest read is a piece of the 256 KiB the
+  // archive writes at once, not "e" (40,200 F64 values) and not the window.
+  device_backend::largest_read = 0;
+  save_checkpoint(directory / "staged.bin", window);
+  CHECK(device_backend::largest_read == (std::size_t{1} << 18) / sizeof(double));
+  CHECK(checkpoint_bytes(directory / "staged.bin") == checkpoint_bytes(directory / "host_window.bin"));
+
+  // A device copy that fails midway throws and leaves the file as it was; the window keeps its sums.
+  device_backend::fail_reads = true;
+  CHECK_THROWS_WITH_AS(save_checkpoint(directory / "staged.bin", window), "device_backend: the device copy failed",
+                       std::runtime_error);
+  device_backend::fail_reads = false;
+  CHECK(checkpoint_bytes(directory / "staged.bin") == checkpoint_bytes(directory / "host_window.bin"));
+  check_same_bits<double>(window.pending(), reference.pending());
+
   const auto async_file = directory / "async.bin";
   save_checkpoint_async(async_file, window).get();
   CHECK(checkpoint_bytes(async_file) == checkpoint_bytes(directory / "host_window.bin"));
+  std::filesystem::remove_all(directory);
+}
+
+TEST_CASE("a sparse device window saves only its present tensors, the host window's bytes") {
+  // "big" is absent: the block would hold more zeros than values, so each tensor is written on
+  // its own, read from its device in pieces.
+  const auto sparse_parameters = []<class B>(B) {
+    parameter_set<B> params;
+    params.add("a", tensor_shape{2, 3}, 0);
+    params.add("big", tensor_shape{300, 300}, 1);
+    params.add("z", tensor_shape{4}, 1);
+    return params;
+  };
+  const auto sparse_gradients = []<class B>(B) {
+    gradients_params<B> grads;
+    grads.insert("a", typename B::template tensor<float>{{1, 2, 3, 4, 5, 6}, {2, 3}, 0});
+    grads.insert("z", typename B::template tensor<float>{{0.5F, 0.25F, 0.125F, 3}, {4}, 1});
+    return grads;
+  };
+  weighted_gradients_accumulator<device> window(float_dtype::f32, 1.0);
+  weighted_gradients_accumulator<host> reference(float_dtype::f32, 1.0);
+  window.accumulate_mean(sparse_parameters(device{}), sparse_gradients(device{}), 3.0);
+  reference.accumulate_mean(sparse_parameters(host{}), sparse_gradients(host{}), 3.0);
+  const auto directory = std::filesystem::temp_directory_path() / "gradaccum_test_device_sparse";
+  std::filesystem::create_directories(directory);
+  save_checkpoint(directory / "device.bin", window);
+  save_checkpoint(directory / "host.bin", reference);
+  CHECK(checkpoint_bytes(directory / "device.bin") == checkpoint_bytes(directory / "host.bin"));
+  CHECK(std::filesystem::file_size(directory / "device.bin") < 1000);  // not the 360 KB of "big"
+  weighted_gradients_accumulator<device> restored(float_dtype::f32, 1.0);
+  load_checkpoint(directory / "device.bin", sparse_parameters(device{}), restored);
+  CHECK_FALSE(restored.pending().contains("big"));
+  CHECK(result_values<float>(restored.pending(), "z") == std::vector<float>{1.5F, 0.75F, 0.375F, 9});
   std::filesystem::remove_all(directory);
 }
 #endif

@@ -5,6 +5,7 @@
 // in test_torch_inputs.cpp.
 #include "test_torch_support.hpp"
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,7 +33,7 @@ TORCH_MODULE(Tied);
 
 TEST_CASE("README: a module's gradients, accumulated over microbatches, step a torch::optim optimizer") {
   torch::manual_seed(0);
-  // --- README snippet (keep in sync with README.md "libtorch backend") ---
+  // --- snippet (keep in sync with docs/backends.md "libtorch") ---
   torch::nn::Linear model(3, 2);
   torch::optim::SGD optimizer(model->parameters(), /*lr=*/0.1);
   auto named = model->named_parameters();
@@ -49,6 +50,29 @@ TEST_CASE("README: a module's gradients, accumulated over microbatches, step a t
   CHECK(params.size() == 2);
   CHECK(model->weight.grad().sizes() == at::IntArrayRef{2, 3});
   CHECK(window.state().microbatches == 0);  // finish_mean reset the window
+}
+
+TEST_CASE("docs: the training loop on the model's device keeps the window and .grad() there") {
+  torch::manual_seed(0);
+  // --- snippet (keep in sync with docs/backends.md "On a GPU") ---
+  const torch::Device device = torch::cuda::is_available() ? torch::kCUDA : torch::kCPU;
+  torch::nn::Linear model(3, 2);
+  model->to(device);
+  torch::optim::SGD optimizer(model->parameters(), /*lr=*/0.1);
+  auto named = model->named_parameters();
+  auto params = gradaccum::torch_parameters(named);
+  gradaccum::weighted_gradients_accumulator<gradaccum::torch_backend> window(gradaccum::float_dtype::f32, 1.0);
+  for (const std::int64_t tokens : {1, 3}) {
+    optimizer.zero_grad();
+    model(torch::randn({tokens, 3}, device)).pow(2).sum().backward();
+    window.accumulate_sum(params, gradaccum::torch_gradients(named), static_cast<double>(tokens));
+  }
+  gradaccum::write_gradients(named, window.finish_mean(params).gradients);  // stays on the device
+  optimizer.step();
+  // --- end of snippet ---
+  CHECK(model->weight.grad().device() == device);
+  CHECK(model->weight.grad().sizes() == at::IntArrayRef{2, 3});
+  CHECK(window.state().microbatches == 0);
 }
 
 TEST_CASE("the full-batch mean is written into .grad() bit for bit, and the optimizer steps on it") {

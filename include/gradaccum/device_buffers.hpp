@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "gradaccum/dtype.hpp"
+#include "gradaccum/records.hpp"
 #include "gradaccum/shape.hpp"
 
 namespace gradaccum {
@@ -79,15 +80,17 @@ struct device_place {
 
 /// A window's values on devices, seen without the backend: what `flat_storage` holds instead of
 /// host bytes for a `device_buffers_backend`. Segments are addressed by layout position.
-class device_values {
+class device_values : public values_on_device {
  public:
   device_values(const device_values&) = delete;
   device_values& operator=(const device_values&) = delete;
+  device_values(device_values&&) = delete;
+  device_values& operator=(device_values&&) = delete;
   virtual ~device_values() = default;
 
   /// Elements [first, first + out.size()) of segment `position` into host memory, as the work
-  /// dtype's bytes (`out` holds float or double).
-  virtual void read(std::size_t position, std::size_t first, std::span<std::byte> out) const = 0;
+  /// dtype's bytes (`out` holds float or double); a segment is a record view's `key`.
+  void read(std::size_t position, std::size_t first, std::span<std::byte> out) const override = 0;
   virtual void write(std::size_t position, std::size_t first, std::span<const std::byte> in) = 0;
   virtual void zero(std::size_t position) noexcept = 0;
   virtual void divide(std::size_t position, double first, double second) noexcept = 0;

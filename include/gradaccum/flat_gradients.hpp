@@ -517,10 +517,7 @@ class flat_gradients {
   template <class F>
   decltype(auto) visit_record(F&& f) const {
     if constexpr (device_buffers_backend<B>) {
-      // Records are host bytes: a device window is read into a host copy first.
-      if (storage_ && storage_->device) {
-        return flat_gradients(layout_, host_copy()).visit_host_record(std::forward<F>(f));
-      }
+      if (storage_ && storage_->device) return visit_device_record(std::forward<F>(f));
     }
     return visit_host_record(std::forward<F>(f));
   }
@@ -535,7 +532,18 @@ class flat_gradients {
         r.id = std::string(t.id);
         r.dtype = t.dtype;
         r.shape.assign(t.shape.begin(), t.shape.end());
-        std::visit([&](auto values) { r.values = std::vector(values.begin(), values.end()); }, t.values);
+        std::visit(
+            [&](auto values) {
+              using S = typename decltype(values)::value_type;
+              if (t.source == nullptr) {
+                r.values = std::vector(values.begin(), values.end());
+                return;
+              }
+              std::vector<S> read(t.count);
+              t.source->read(t.key, 0, std::as_writable_bytes(std::span(read)));
+              r.values = std::move(read);
+            },
+            t.values);
       }
       return record;
     });
@@ -546,6 +554,27 @@ class flat_gradients {
   friend class gradients_accumulator;
   friend struct detail::flat_access;
 
+  /// The block a record of these values is written as: the buffer from the first present
+  /// segment to the end of the last, unless it holds more zeros than values and more than 4 KiB
+  /// of them, so a sparse window is not written with the zeros of its absent segments.
+  [[nodiscard]] std::optional<std::pair<std::size_t, std::size_t>> record_block() const noexcept {
+    if (!layout_ || !storage_ || storage_->present_count == 0) return std::nullopt;
+    std::size_t first = layout_->size();
+    std::size_t last = 0;
+    std::size_t present_elements = 0;
+    for (std::size_t position = 0; position < layout_->size(); ++position) {
+      if (!is_present(position)) continue;
+      first = std::min(first, position);
+      last = position;
+      present_elements += (*layout_)[position].size;
+    }
+    const std::size_t begin = (*layout_)[first].offset;
+    const std::size_t end = (*layout_)[last].offset + (*layout_)[last].size;
+    const std::size_t zeros = end - begin - present_elements;
+    if (zeros > present_elements && zeros * storage_->element_size() > 4096) return std::nullopt;
+    return std::pair(begin, end);
+  }
+
   /// `visit_record` of values in host memory.
   template <class F>
   decltype(auto) visit_host_record(F&& f) const {
@@ -553,24 +582,11 @@ class flat_gradients {
     std::vector<detail::tensor_view> views;
     views.reserve(size());
     detail::values_view block;
-    if (layout_ && storage_ && storage_->present_count != 0) {
-      std::size_t first = layout_->size();
-      std::size_t last = 0;
-      std::size_t present_elements = 0;
-      for (std::size_t position = 0; position < layout_->size(); ++position) {
-        if (!is_present(position)) continue;
-        first = std::min(first, position);
-        last = position;
-        present_elements += (*layout_)[position].size;
-      }
-      const std::size_t begin = (*layout_)[first].offset;
-      const std::size_t end = (*layout_)[last].offset + (*layout_)[last].size;
-      const std::size_t zeros = end - begin - present_elements;
-      if (zeros <= present_elements || zeros * storage_->element_size() <= 4096) {
-        block = storage_->dtype == float_dtype::f64
-                    ? detail::values_view(std::span<const double>(storage_->data<double>() + begin, end - begin))
-                    : detail::values_view(std::span<const float>(storage_->data<float>() + begin, end - begin));
-      }
+    if (const auto range = record_block()) {
+      const auto [begin, end] = *range;
+      block = storage_->dtype == float_dtype::f64
+                  ? detail::values_view(std::span<const double>(storage_->data<double>() + begin, end - begin))
+                  : detail::values_view(std::span<const float>(storage_->data<float>() + begin, end - begin));
     }
     if (layout_) {
       for (const std::size_t position : layout_->by_id()) {
@@ -584,6 +600,30 @@ class flat_gradients {
       }
     }
     return std::forward<F>(f)(detail::gradients_view{{views.data(), views.size()}, block});
+  }
+
+  /// `visit_record` of a device window: each view reads its segment from the device in pieces
+  /// (`tensor_view::source`), so saving one stages a piece at a time, never the whole window;
+  /// a binary save writes the same bytes as the host window's.
+  template <class F>
+  decltype(auto) visit_device_record(F&& f) const {
+    std::vector<std::array<std::uint64_t, max_rank>> shapes(size());
+    std::vector<detail::tensor_view> views;
+    views.reserve(size());
+    const auto range = record_block();
+    const std::size_t begin = range ? range->first : 0;
+    for (const std::size_t position : layout_->by_id()) {
+      if (!is_present(position)) continue;
+      const flat_segment<B>& s = (*layout_)[position];
+      auto& shape = shapes[views.size()];
+      std::copy(s.shape.begin(), s.shape.end(), shape.begin());
+      const auto none = storage_->dtype == float_dtype::f64 ? detail::values_view(std::span<const double>())
+                                                            : detail::values_view(std::span<const float>());
+      views.push_back({s.id, storage_->dtype, std::span(shape.data(), s.shape.rank()), none, storage_->device.get(),
+                       position, s.size, range ? s.offset - begin : 0});
+    }
+    const std::size_t staged_block = range ? range->second - begin : 0;
+    return std::forward<F>(f)(detail::gradients_view{{views.data(), views.size()}, {}, staged_block});
   }
 
   flat_gradients(std::shared_ptr<const flat_layout<B>> layout, std::shared_ptr<detail::flat_storage> storage) noexcept
@@ -607,19 +647,6 @@ class flat_gradients {
   template <class W>
   [[nodiscard]] std::span<const W> values_at(const flat_segment<B>& s) const noexcept {
     return {storage_->data<W>() + s.offset, s.size};
-  }
-
-  /// The values of a device window in host memory, laid out the same.
-  std::shared_ptr<detail::flat_storage> host_copy() const {
-    auto copy = detail::flat_storage::allocate(storage_->dtype, storage_->elements, storage_->present.size());
-    for (std::size_t position = 0; position < layout_->size(); ++position) {
-      if (!is_present(position)) continue;
-      const flat_segment<B>& s = (*layout_)[position];
-      detail::copy_segment(*storage_, position, s.offset, *copy, position, s.offset, s.size);
-    }
-    copy->present = storage_->present;
-    copy->present_count = storage_->present_count;
-    return copy;
   }
 
   std::shared_ptr<detail::flat_storage> copy_of(const detail::flat_storage& from) const {

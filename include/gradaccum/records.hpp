@@ -115,13 +115,38 @@ inline tensor_shape record_shape(const tensor_record& tensor) {
 /// Row-major values borrowed from wherever they live, in the alternatives of `record_values`.
 using values_view = std::variant<std::span<const std::uint16_t>, std::span<const float>, std::span<const double>>;
 
+/// Values that are not in host memory (a device window's), read into it piece by piece.
+class values_on_device {
+ public:
+  /// Elements [first, first + out.size() / element size) of the tensor at `key`, as bytes of
+  /// the view's dtype. @throws what the device's copy throws (nothing is then saved)
+  virtual void read(std::size_t key, std::size_t first, std::span<std::byte> out) const = 0;
+
+ protected:
+  values_on_device() = default;
+  values_on_device(const values_on_device&) = default;
+  values_on_device& operator=(const values_on_device&) = default;
+  ~values_on_device() = default;
+};
+
 /// @brief A `tensor_record` whose fields are borrowed: saving one writes what saving the record
 /// would, so accumulators save their tensors without a snapshot. Built only from valid data.
 struct tensor_view {
   std::string_view id;
   float_dtype dtype = float_dtype::f32;
   std::span<const std::uint64_t> shape;
+  /// The values in host memory; empty, of the dtype's type, when `source` is set.
   values_view values;
+  /// Where the values are when they are not in host memory: `count` of them, under `key`, at
+  /// element `offset` of their gradients view's `staged_block` when it has one.
+  const values_on_device* source = nullptr;
+  std::size_t key = 0;
+  std::size_t count = 0;
+  std::size_t offset = 0;
+
+  [[nodiscard]] std::size_t size() const noexcept {
+    return source != nullptr ? count : std::visit([](auto v) { return v.size(); }, values);
+  }
 };
 
 /// @brief A `gradients_params_record` of borrowed tensors, in record order.
@@ -131,6 +156,9 @@ struct gradients_view {
   /// the last one's end (zeros between segments), which binary archives write as it is. Empty
   /// otherwise.
   values_view block;
+  /// The same for tensors on a device (`tensor_view::source`): the element count of the block
+  /// their `offset`s lie in, or 0.
+  std::size_t staged_block = 0;
 };
 
 /// @brief A `weighted_gradients_record` whose tensors are borrowed.

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <istream>
 #include <limits>
+#include <memory>
 #include <new>
 #include <optional>
 #include <span>
@@ -60,6 +61,44 @@ void check_saved_id(std::string_view id) {
   }
 }
 
+/// Host memory for the pieces of values read from a `values_source` (a device window's):
+/// `saved_block_bytes`, allocated at the first piece, so a save stages at most that much. A
+/// piece is placed after the previous one while it fits, so consecutive small tensors stay
+/// adjacent and are written together; `release` is called before memory is reused.
+class values_staging {
+ public:
+  template <class S, class Release>
+  std::span<const S> read(const tensor_view& tensor, std::size_t first, std::size_t count, Release&& release) {
+    if (!bytes_) bytes_ = std::make_unique_for_overwrite<std::byte[]>(saved_block_bytes);
+    std::size_t at = (used_ + sizeof(S) - 1) / sizeof(S) * sizeof(S);
+    if (at + count * sizeof(S) > saved_block_bytes) {
+      release();
+      at = 0;
+    }
+    const std::span<std::byte> out(bytes_.get() + at, count * sizeof(S));
+    tensor.source->read(tensor.key, first, out);
+    used_ = at + out.size();
+    return {reinterpret_cast<const S*>(out.data()), count};
+  }
+
+ private:
+  std::unique_ptr<std::byte[]> bytes_;
+  std::size_t used_ = 0;
+};
+
+/// `f(piece)` for `tensor`'s values (`values`, its `values` alternative) in order, in pieces of
+/// at most `saved_block_bytes`: where they are, or staged from its source (`release` as above).
+template <class S, class F, class Release>
+void for_each_saved_piece(const tensor_view& tensor, std::span<const S> values, values_staging& staging, F&& f,
+                          Release&& release) {
+  constexpr std::size_t piece_size = saved_block_bytes / sizeof(S);
+  const std::size_t count = tensor.size();
+  for (std::size_t done = 0; done < count; done += piece_size) {
+    const std::size_t n = std::min(piece_size, count - done);
+    f(tensor.source == nullptr ? values.subspan(done, n) : staging.template read<S>(tensor, done, n, release));
+  }
+}
+
 /// Writes values as one raw block (in pieces, each hashed first when a checksum is being
 /// taken). Hashing on a worker thread instead bought nothing measurable on a 64 MiB save.
 template <class Archive, class T>
@@ -81,13 +120,25 @@ void save_tensor(Archive& ar, const tensor_view& tensor) {
   ar(cereal::make_nvp("shape", archive_node{[&](auto& node) { save_elements(node, tensor.shape); }}));
   std::visit(
       [&](const auto values) {
-        if (hash != nullptr) hash_tensor_header(*hash, tensor.id, tensor.dtype, tensor.shape, values.size());
+        using S = typename decltype(values)::value_type;
+        if (hash != nullptr) hash_tensor_header(*hash, tensor.id, tensor.dtype, tensor.shape, tensor.size());
         if constexpr (is_text_archive<Archive>) {
-          if (hash != nullptr) hash->add_text_values(values);
-          ar(cereal::make_nvp("values", values_text(values)));
+          // Text is written a tensor at a time: a device tensor is read whole, as its text is.
+          std::vector<S> staged(tensor.source != nullptr ? tensor.count : 0);
+          if (tensor.source != nullptr) tensor.source->read(tensor.key, 0, std::as_writable_bytes(std::span(staged)));
+          const std::span<const S> all = tensor.source != nullptr ? std::span<const S>(staged) : values;
+          if (hash != nullptr) hash->add_text_values(all);
+          ar(cereal::make_nvp("values", values_text(all)));
         } else {
-          ar(cereal::make_size_tag(static_cast<cereal::size_type>(values.size())));
-          save_raw_values(ar, values, hash);
+          ar(cereal::make_size_tag(static_cast<cereal::size_type>(tensor.size())));
+          values_staging staging;
+          for_each_saved_piece(
+              tensor, values, staging,
+              [&](std::span<const S> piece) {
+                if (hash != nullptr) hash->add_values(piece);
+                ar(cereal::binary_data(piece.data(), piece.size_bytes()));
+              },
+              [] {});
         }
       },
       tensor.values);
@@ -113,39 +164,58 @@ inline const tensor_view& view_of(const tensor_view& tensor) noexcept {
 }
 
 /// Where each of `tensors` (records or views) goes in the values block, in bytes, and the
-/// block's size: where they are in `block` when they are its segments, else one after the
+/// block's size: where they are in `block` when they are its segments (or, for views of a
+/// device window, at their `offset` in a block of `staged_block` elements), else one after the
 /// other in record order, each aligned to its element size.
 template <class Tensors>
-std::uint64_t block_layout(const Tensors& tensors, const values_view& block, std::vector<std::uint64_t>& offsets) {
+std::uint64_t block_layout(const Tensors& tensors, const values_view& block, std::size_t staged_block,
+                           std::vector<std::uint64_t>& offsets) {
   const auto* const base =
       std::visit([](auto values) { return reinterpret_cast<const unsigned char*>(values.data()); }, block);
-  const std::uint64_t block_bytes = std::visit([](auto values) { return values.size_bytes(); }, block);
+  std::uint64_t block_bytes = std::visit([](auto values) { return values.size_bytes(); }, block);
   offsets.reserve(tensors.size());
   std::uint64_t end = 0;
   for (const auto& record_or_view : tensors) {
+    const tensor_view& tensor = view_of(record_or_view);
     std::visit(
         [&](const auto values) {
-          using S = typename decltype(values)::element_type;
-          if (block_bytes != 0) {
+          using S = typename decltype(values)::value_type;
+          if (staged_block != 0) {
+            offsets.push_back(tensor.offset * sizeof(S));
+            block_bytes = staged_block * sizeof(S);
+          } else if (block_bytes != 0) {
             offsets.push_back(static_cast<std::uint64_t>(reinterpret_cast<const unsigned char*>(values.data()) - base));
           } else {
             end = (end + sizeof(S) - 1) / sizeof(S) * sizeof(S);
             offsets.push_back(end);
-            end += values.size_bytes();
+            end += tensor.size() * sizeof(S);
           }
         },
-        view_of(record_or_view).values);
+        tensor.values);
   }
   return block_bytes != 0 ? block_bytes : end;
+}
+
+/// `bytes` zero bytes into the values block (between segments, or for alignment).
+template <class Archive>
+void save_zeros(Archive& ar, std::uint64_t bytes, content_hash& hash) {
+  static constexpr std::array<unsigned char, 4096> zeros{};
+  while (bytes != 0) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(bytes, zeros.size()));
+    hash.add_bytes(zeros.data(), n);
+    ar(cereal::binary_data(zeros.data(), n));
+    bytes -= n;
+  }
 }
 
 /// The count, directory, block size, directory checksum and values block of a binary
 /// gradients record (see above); `hash` takes the block.
 template <class Archive, class Tensors>
-void save_binary_tensors(Archive& ar, const Tensors& tensors, const values_view& block, content_hash& hash) {
+void save_binary_tensors(Archive& ar, const Tensors& tensors, const values_view& block, std::size_t staged_block,
+                         content_hash& hash) {
   for (const auto& tensor : tensors) check_saved_id<Archive>(tensor.id);
   std::vector<std::uint64_t> offsets;
-  const std::uint64_t block_bytes = block_layout(tensors, block, offsets);
+  const std::uint64_t block_bytes = block_layout(tensors, block, staged_block, offsets);
   const std::string directory = binary_directory(tensors, offsets);
   ar(cereal::make_size_tag(static_cast<cereal::size_type>(tensors.size())));
   ar(cereal::make_size_tag(static_cast<cereal::size_type>(directory.size())));
@@ -155,37 +225,45 @@ void save_binary_tensors(Archive& ar, const Tensors& tensors, const values_view&
     std::visit([&](auto values) { save_raw_values(ar, values, &hash); }, block);
     return;
   }
+  // Tensor by tensor in block order (a device window's views are sorted by id, not by offset),
+  // with zeros wherever the block has no tensor.
+  std::vector<std::size_t> order(tensors.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  if (staged_block != 0) std::ranges::sort(order, {}, [&](std::size_t i) { return offsets[i]; });
   values_writer<Archive> values_out(ar);
+  values_staging staging;
   std::uint64_t end = 0;
-  std::size_t i = 0;
-  for (const auto& record_or_view : tensors) {
+  for (const std::size_t i : order) {
+    const tensor_view& tensor = view_of(tensors[i]);
     std::visit(
         [&](const auto values) {
-          using S = typename decltype(values)::element_type;
-          if (offsets[i] != end) {  // alignment to the element size: fewer than 8 zero bytes
-            constexpr std::array<unsigned char, 8> zeros{};
+          using S = typename decltype(values)::value_type;
+          if (offsets[i] != end) {
             values_out.flush();
-            hash.add_bytes(zeros.data(), offsets[i] - end);
-            ar(cereal::binary_data(zeros.data(), offsets[i] - end));
+            save_zeros(ar, offsets[i] - end, hash);
           }
-          constexpr std::size_t piece_size = saved_block_bytes / sizeof(S);
-          for (std::size_t done = 0; done < values.size(); done += piece_size) {
-            const std::span<const S> piece = values.subspan(done, std::min(piece_size, values.size() - done));
-            hash.add_values(piece);
-            values_out.add(piece);
-          }
-          end = offsets[i++] + values.size_bytes();
+          for_each_saved_piece(
+              tensor, values, staging,
+              [&](std::span<const S> piece) {
+                hash.add_values(piece);
+                values_out.add(piece);
+              },
+              [&] { values_out.flush(); });
+          end = offsets[i] + tensor.size() * sizeof(S);
         },
-        view_of(record_or_view).values);
+        tensor.values);
   }
   values_out.flush();
+  save_zeros(ar, block_bytes - end, hash);
 }
 
 /// `tensors` (records or views) as the list of a gradients record, then the checksum of what
 /// they hold: in a text archive each tensor through cereal, in a binary archive the directory
-/// and values block (see above), `block` the buffer views lie in, if any.
+/// and values block (see above), `block` the buffer views lie in, if any, or `staged_block`
+/// the element count of a device window's block.
 template <class Archive, class Tensors>
-void save_checksummed_tensors(Archive& ar, const Tensors& tensors, const values_view& block = {}) {
+void save_checksummed_tensors(Archive& ar, const Tensors& tensors, const values_view& block = {},
+                              std::size_t staged_block = 0) {
   save_tag(ar, gradients_tag);
   content_hash hash;
   ar(cereal::make_nvp("tensors", archive_node{[&](auto& node) {
@@ -194,7 +272,7 @@ void save_checksummed_tensors(Archive& ar, const Tensors& tensors, const values_
                           node(cereal::make_size_tag(static_cast<cereal::size_type>(tensors.size())));
                           for (const auto& tensor : tensors) node(tensor);
                         } else {
-                          save_binary_tensors(node, tensors, block, hash);
+                          save_binary_tensors(node, tensors, block, staged_block, hash);
                         }
                       }}));
   ar(cereal::make_nvp("checksum", hash.digest()));
@@ -207,7 +285,7 @@ void save(Archive& ar, const tensor_view& tensor, const std::uint32_t /*version*
 
 template <class Archive>
 void save(Archive& ar, const gradients_view& gradients, const std::uint32_t /*version*/) {
-  save_checksummed_tensors(ar, gradients.tensors, gradients.block);
+  save_checksummed_tensors(ar, gradients.tensors, gradients.block, gradients.staged_block);
 }
 
 template <class Archive>
