@@ -3,7 +3,7 @@
 //
 //   1. bits: a window of device tensors gives the bits of the same window of CPU tensors (F32 and
 //      F64 work dtypes; F32, BF16 and F16 gradients, contiguous and strided; accumulate_sum and
-//      accumulate_mean; finish_mean);
+//      accumulate_mean; finish_mean; the global norm and clip_by_global_norm);
 //   2. a torch::nn module trained on the device: the accumulated mean of token-weighted
 //      microbatches against the gradient of the full batch's mean loss;
 //   3. speed, side by side with the loop a libtorch user writes on the same tensors (medians of
@@ -97,15 +97,18 @@ std::vector<at::Tensor> window_on(const torch::Device& device, const bits_case& 
       window.accumulate_sum(params, grads, weights[k]);
     }
   }
-  const auto result = window.finish_mean(params);
+  auto result = window.finish_mean(params);
   std::vector<at::Tensor> values;
-  for (const std::string& id : ids) {
-    if (c.work == float_dtype::f64) {
-      values.push_back(result.gradients.get<double>(id)->clone().cpu());
-    } else {
-      values.push_back(result.gradients.get<float>(id)->clone().cpu());
+  const auto copy_results = [&] {
+    for (const std::string& id : ids) {
+      values.push_back(c.work == float_dtype::f64 ? result.gradients.get<double>(id)->clone().cpu()
+                                                  : result.gradients.get<float>(id)->clone().cpu());
     }
-  }
+  };
+  copy_results();
+  // The norm and clipping read the window through host staging: the CPU's bits too.
+  values.push_back(torch::tensor(gradaccum::clip_by_global_norm(result, 1.0), torch::kDouble));
+  copy_results();
   return values;
 }
 
@@ -127,11 +130,11 @@ void check_bits(const options& o) {
           const auto on_cpu = window_on(torch::kCPU, c, microbatches, weights, ids, parameters);
           const auto on_device = window_on(o.device, c, microbatches, weights, ids, parameters);
           bool same = true;
-          for (std::size_t i = 0; i < ids.size(); ++i) same = same && same_bits(on_cpu[i], on_device[i]);
+          for (std::size_t i = 0; i < on_cpu.size(); ++i) same = same && same_bits(on_cpu[i], on_device[i]);
           report(same, std::string("bits ") + std::string(gradaccum::to_string(work)) + " window, " +
                            std::string(gradaccum::to_string(gradient)) + (strided ? " strided" : " contiguous") +
                            " gradients, " + (mean ? "accumulate_mean" : "accumulate_sum") +
-                           " + finish_mean: device == CPU");
+                           " + finish_mean, global norm, clip: device == CPU");
         }
       }
     }

@@ -61,7 +61,7 @@ void check_saved_id(std::string_view id) {
   }
 }
 
-/// Host memory for the pieces of values read from a `values_source` (a device window's):
+/// Host memory for the pieces of values read from a `values_on_device` (a device window's):
 /// `saved_block_bytes`, allocated at the first piece, so a save stages at most that much. A
 /// piece is placed after the previous one while it fits, so consecutive small tensors stay
 /// adjacent and are written together; `release` is called before memory is reused.

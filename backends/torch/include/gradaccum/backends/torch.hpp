@@ -22,9 +22,10 @@
 /// two; divisions are true divisions by a value on the device (a CPU scalar would let CUDA
 /// multiply by its reciprocal). Each operation rounds per element, so a window gives the same
 /// bits on the CPU, on CUDA and on the Eigen and xtensor backends. Results (`get<W>`) are tensors
-/// viewing the window's buffer, on its device. The multiply goes through a scratch tensor of at
-/// most 4 Mi elements per device, so a gradient of another dtype or scale costs three passes
-/// (convert, multiply, add) where `accumulate_sum` of a gradient of the work dtype costs one.
+/// viewing the window's buffer, on its device. The product goes through a scratch tensor of at
+/// most 4 Mi elements per device: a gradient of the work dtype with a scale other than 1 costs
+/// two passes (multiply, add), one of another dtype three (convert, multiply, add), where
+/// `accumulate_sum` of a gradient of the work dtype costs one.
 ///
 /// @code
 /// auto named = model->named_parameters();
@@ -330,8 +331,14 @@ inline void torch_add_scaled_pieces(const at::Tensor& acc, const at::Tensor& g, 
   const std::int64_t n = g.numel();
   if (n <= scratch.numel()) {
     at::Tensor staged = scratch.narrow(0, 0, n).view(g.sizes());
-    staged.copy_(g);  // to the work dtype: exact
-    if (scaled) staged.mul_(scale);
+    if (scaled && g.scalar_type() == scratch.scalar_type()) {
+      // One pass for the product (rounded once, in W), not a copy and then a multiply. The scale
+      // is a 0-dim tensor of W, so nothing promotes; a CPU one is a kernel argument on any device.
+      at::mul_out(staged, g, at::scalar_tensor(scale, scratch.options().device(at::kCPU)));
+    } else {
+      staged.copy_(g);  // to the work dtype: exact
+      if (scaled) staged.mul_(scale);
+    }
     acc.add_(staged);
     return;
   }
