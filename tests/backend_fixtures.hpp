@@ -52,14 +52,9 @@ struct backend_fixture<vector_backend> {
   }
 };
 
+/// Its tensors and views are `vector_backend`'s.
 template <>
-struct backend_fixture<device_backend> {
-  static int device() noexcept { return 0; }
-  static std::optional<int> other_device() noexcept { return 1; }
-  template <class T>
-  static device_backend::view<T> view_of(const device_backend::tensor<T>& t) noexcept {
-    return {t.values, t.shape, t.device};
-  }
+struct backend_fixture<device_backend> : backend_fixture<vector_backend> {
   /// A result's values, read from the view `get<W>` gives.
   template <class W>
   static std::vector<W> values_of(const device_backend::view<W>& result) {

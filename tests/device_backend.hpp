@@ -38,11 +38,11 @@ struct device_backend {
 
   template <class X>
   static tensor_shape shape(const X& x) noexcept {
-    return x.shape;
+    return vector_backend::shape(x);
   }
   template <class X>
   static device_type device(const X& x) noexcept {
-    return x.device;
+    return vector_backend::device(x);
   }
   template <class W, class X>
   static tensor<W> convert(const X& x) {
