@@ -36,11 +36,11 @@ concept host_add = requires(const X& g, std::span<float> acc32, std::span<double
   { B::add_scaled(acc64, g, 1.0) } noexcept;
 };
 template <class B, class X>
-concept device_add = requires(const X& g, typename B::template buffer<float>& b32,
-                              typename B::template buffer<double>& b64) {
-  { B::add_scaled(b32, std::size_t{}, g, 1.0F) } noexcept;
-  { B::add_scaled(b64, std::size_t{}, g, 1.0) } noexcept;
-};
+concept device_add =
+    requires(const X& g, typename B::template buffer<float>& b32, typename B::template buffer<double>& b64) {
+      { B::add_scaled(b32, std::size_t{}, g, 1.0F) } noexcept;
+      { B::add_scaled(b64, std::size_t{}, g, 1.0) } noexcept;
+    };
 
 /// What the library does with an incoming gradient of type X (a tensor or a view).
 template <class B, class X>
