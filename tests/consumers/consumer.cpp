@@ -21,6 +21,8 @@
 
 #include <iostream>
 #include <utility>
+#include <variant>
+#include <vector>
 
 #if GRADACCUM_CONSUMER_CEREAL
 /// Whether a record survives a cereal binary archive unchanged.
@@ -52,7 +54,9 @@ float full_batch_gradient(Filled filled) {
 #if GRADACCUM_CONSUMER_CEREAL
   std::cout << "cereal round trip " << round_trips(window.try_to_record()) << '\n';
 #endif
-  return window.finish_mean(params).gradients.template values<float>("w")[0];
+  // Through the result's record: a device backend's (torch) values are not host spans.
+  const gradaccum::gradients_params_record mean = window.finish_mean(params).gradients.to_record();
+  return std::get<std::vector<float>>(mean.tensors.at(0).values).at(0);
 }
 
 int main() {
