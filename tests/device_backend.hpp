@@ -59,7 +59,8 @@ struct device_backend {
   }
 
   template <class W>
-  static buffer<W> allocate(std::size_t count, std::size_t /*largest*/, const device_type& device) {
+  static buffer<W> allocate(std::size_t count, std::span<const buffer_segment> /*segments*/,
+                            const device_type& device) {
     buffer<W> b;
     b.values_.assign(count, W{0});
     b.device_ = device;

@@ -8,8 +8,10 @@
 ///
 /// @code
 /// template <class W> using buffer = ...;  // W values on one device; movable (may be one type for both W)
-/// // `count` zeros; no segment is larger than `largest` (room for an add's temporary, if needed)
-/// template <class W> static buffer<W> allocate(std::size_t count, std::size_t largest, const device_type&);
+/// // `count` zeros holding `segments` (one per parameter on this device, by offset): a backend may
+/// // prepare what each segment's adds and results need, once per window layout
+/// template <class W> static buffer<W> allocate(std::size_t count, std::span<const buffer_segment> segments,
+///                                              const device_type&);
 /// // acc[offset, offset + numel(g)) += scale · W(g), rounding twice (no FMA)
 /// template <class W, class X> static void add_scaled(buffer<W>& acc, std::size_t offset, const X& g,
 ///                                                    W scale) noexcept;
@@ -44,18 +46,27 @@
 
 namespace gradaccum {
 
+/// @brief One parameter's segment of a device buffer: where it starts, and its shape (its
+/// element count is the shape's).
+struct buffer_segment {
+  std::size_t offset = 0;
+  std::size_t size = 0;
+  tensor_shape shape;
+};
+
 /// @brief Whether backend `B` keeps windows on its tensors' devices (see the file comment).
 template <class B>
 concept device_buffers_backend =
     requires { typename B::template buffer<float>; } &&
     requires(typename B::template buffer<float>& b32, typename B::template buffer<double>& b64,
              const typename B::device_type& device, std::span<float> out32, std::span<const float> in32,
-             std::span<double> out64, std::span<const double> in64, const tensor_shape& shape) {
+             std::span<double> out64, std::span<const double> in64, const tensor_shape& shape,
+             std::span<const buffer_segment> segments) {
       {
-        B::template allocate<float>(std::size_t{}, std::size_t{}, device)
+        B::template allocate<float>(std::size_t{}, segments, device)
       } -> std::same_as<typename B::template buffer<float>>;
       {
-        B::template allocate<double>(std::size_t{}, std::size_t{}, device)
+        B::template allocate<double>(std::size_t{}, segments, device)
       } -> std::same_as<typename B::template buffer<double>>;
       B::template map<float>(std::as_const(b32), std::size_t{}, shape, device);
       B::template map<double>(std::as_const(b64), std::size_t{}, shape, device);
@@ -94,6 +105,8 @@ class device_values : public values_on_device {
   virtual void write(std::size_t position, std::size_t first, std::span<const std::byte> in) = 0;
   virtual void zero(std::size_t position) noexcept = 0;
   virtual void divide(std::size_t position, double first, double second) noexcept = 0;
+  /// Every buffer, whole (padding and absent segments are zeros and stay zeros).
+  virtual void divide_all(double first, double second) noexcept = 0;
 
   [[nodiscard]] const device_place& place(std::size_t position) const noexcept { return places_[position]; }
 
@@ -108,19 +121,23 @@ class device_values_of final : public device_values {
  public:
   using buffer = typename B::template buffer<W>;
 
-  /// Zero-filled buffers for segments at `places` on `devices` (one buffer per device).
-  /// @throws what the backend's `allocate` throws
-  device_values_of(std::vector<device_place> places, std::span<const typename B::device_type> devices)
+  /// Zero-filled buffers for segments at `places`, of `shapes`, on `devices` (one buffer per
+  /// device). @throws what the backend's `allocate` throws
+  device_values_of(std::vector<device_place> places, std::span<const tensor_shape> shapes,
+                   std::span<const typename B::device_type> devices)
       : device_values(std::move(places)) {
-    std::vector<std::size_t> sizes(devices.size(), 0);
-    std::vector<std::size_t> largest(devices.size(), 0);
-    for (const device_place& p : places_) {
-      sizes[p.buffer] = std::max(sizes[p.buffer], p.offset + p.size);
-      largest[p.buffer] = std::max(largest[p.buffer], p.size);
+    std::vector<std::vector<buffer_segment>> segments(devices.size());
+    for (std::size_t position = 0; position < places_.size(); ++position) {
+      const device_place& p = places_[position];
+      segments[p.buffer].push_back({p.offset, p.size, shapes[position]});
     }
     buffers_.reserve(devices.size());
-    for (std::size_t d = 0; d < devices.size(); ++d)
-      buffers_.push_back(B::template allocate<W>(sizes[d], largest[d], devices[d]));
+    sizes_.reserve(devices.size());
+    for (std::size_t d = 0; d < devices.size(); ++d) {
+      const std::size_t count = segments[d].empty() ? 0 : segments[d].back().offset + segments[d].back().size;
+      buffers_.push_back(B::template allocate<W>(count, segments[d], devices[d]));
+      sizes_.push_back(count);
+    }
   }
 
   void read(std::size_t position, std::size_t first, std::span<std::byte> out) const override {
@@ -142,6 +159,11 @@ class device_values_of final : public device_values {
     B::template divide<W>(buffers_[p.buffer], p.offset, p.size, static_cast<W>(first), static_cast<W>(second));
   }
 
+  void divide_all(double first, double second) noexcept override {
+    for (std::size_t d = 0; d < buffers_.size(); ++d)
+      B::template divide<W>(buffers_[d], 0, sizes_[d], static_cast<W>(first), static_cast<W>(second));
+  }
+
   /// The buffer and offset of segment `position`, for the backend's add and map.
   [[nodiscard]] buffer& buffer_of(std::size_t position) noexcept { return buffers_[place(position).buffer]; }
   [[nodiscard]] const buffer& buffer_of(std::size_t position) const noexcept {
@@ -150,6 +172,7 @@ class device_values_of final : public device_values {
 
  private:
   std::vector<buffer> buffers_;
+  std::vector<std::size_t> sizes_;  // elements of each buffer
 };
 
 }  // namespace detail

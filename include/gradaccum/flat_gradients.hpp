@@ -257,6 +257,7 @@ std::shared_ptr<flat_storage> allocate_storage(const flat_layout<B>& layout, flo
     return flat_storage::allocate(dtype, layout.elements(), layout.size());
   } else {
     std::vector<device_place> places(layout.size());
+    std::vector<tensor_shape> shapes(layout.size());
     std::vector<typename B::device_type> devices;
     std::vector<std::size_t> ends;  // per device: where its next segment starts
     for (std::size_t position = 0; position < layout.size(); ++position) {
@@ -268,6 +269,7 @@ std::shared_ptr<flat_storage> allocate_storage(const flat_layout<B>& layout, flo
         ends.push_back(0);
       }
       places[position] = {d, ends[d], s.size};
+      shapes[position] = s.shape;
       ends[d] += (s.size + segment_alignment - 1) / segment_alignment * segment_alignment;
     }
     auto storage = std::make_shared<flat_storage>();
@@ -275,9 +277,9 @@ std::shared_ptr<flat_storage> allocate_storage(const flat_layout<B>& layout, flo
     storage->elements = layout.elements();
     storage->present.assign(layout.size(), 0);
     if (dtype == float_dtype::f64) {
-      storage->device = std::make_unique<device_values_of<B, double>>(std::move(places), devices);
+      storage->device = std::make_unique<device_values_of<B, double>>(std::move(places), shapes, devices);
     } else {
-      storage->device = std::make_unique<device_values_of<B, float>>(std::move(places), devices);
+      storage->device = std::make_unique<device_values_of<B, float>>(std::move(places), shapes, devices);
     }
     return storage;
   }

@@ -126,6 +126,11 @@ class gradients_accumulator {
     std::size_t last_position = layout.size() - 1;
     while (storage->present[last_position] == 0) --last_position;
     if (storage->device) {
+      // A device operation per call: one per buffer when every segment is present.
+      if (storage->present_count == layout.size()) {
+        storage->device->divide_all(first, second);
+        return;
+      }
       for (std::size_t position = first_position; position <= last_position; ++position) {
         if (storage->present[position] != 0) storage->device->divide(position, first, second);
       }

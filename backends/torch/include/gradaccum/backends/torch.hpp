@@ -105,9 +105,14 @@ class torch_tensor {
 /// @brief A window's values on one device (`torch_backend::buffer<W>`): a flat tensor of the
 /// work dtype, and what its adds and divisions need there, allocated with it.
 struct torch_buffer {
-  at::Tensor values;    ///< 1-D, the device's segments back to back
-  at::Tensor scratch;   ///< 1-D, room for one piece of a gradient converted and scaled
-  at::Tensor divisors;  ///< 2 elements on the device: `divide`'s divisors
+  at::Tensor values;                               ///< 1-D, the device's segments back to back
+  at::Tensor scratch;                              ///< 1-D, room for one piece of a gradient converted and scaled
+  std::array<at::Tensor, 2> divisors;              ///< 0-dim, on the device: `divide`'s divisors
+  std::array<double, 2> divisor_values{1.0, 1.0};  ///< what `divisors` hold
+  /// Each segment's start, ascending, and a tensor of its parameter's shape viewing it, made
+  /// once: an add or a result is then one libtorch call, not three.
+  std::vector<std::size_t> offsets;
+  std::vector<at::Tensor> segments;
 };
 
 /// @brief Traits that adapt `torch::Tensor`s to `serializable_backend` (see the file comment).
@@ -145,10 +150,11 @@ struct torch_backend {
   template <class W>
   using buffer = torch_buffer;
 
-  /// `count` zeros of W on `device`, with a scratch of min(`largest`, 4 Mi) elements.
+  /// `count` zeros of W on `device`, a view of each of `segments`, and a scratch of up to 4 Mi
+  /// elements (no more than the largest segment).
   /// @throws std::bad_alloc when libtorch cannot allocate them.
   template <class W>
-  static buffer<W> allocate(std::size_t count, std::size_t largest, const device_type& device);
+  static buffer<W> allocate(std::size_t count, std::span<const buffer_segment> segments, const device_type& device);
 
   /// acc[offset, offset + numel(g)) += scale · W(g), on acc's device, rounding twice.
   template <class W, class T>
@@ -359,21 +365,50 @@ inline void torch_add_scaled_pieces(const at::Tensor& acc, const at::Tensor& g, 
 }  // namespace detail
 
 template <class W>
-torch_buffer torch_backend::allocate(std::size_t count, std::size_t largest, const device_type& device) {
+torch_buffer torch_backend::allocate(std::size_t count, std::span<const buffer_segment> segments,
+                                     const device_type& device) {
   try {
     const auto options = detail::torch_options<W>(device);
-    const auto scratch = std::min(static_cast<std::int64_t>(largest), detail::torch_scratch_elements);
-    return {at::zeros({static_cast<std::int64_t>(count)}, options), at::empty({scratch}, options),
-            at::ones({2}, options)};
+    std::size_t largest = 0;
+    for (const buffer_segment& s : segments) largest = std::max(largest, s.size);
+    torch_buffer b;
+    b.values = at::zeros({static_cast<std::int64_t>(count)}, options);
+    b.scratch = at::empty({std::min(static_cast<std::int64_t>(largest), detail::torch_scratch_elements)}, options);
+    b.divisors = {at::ones({}, options), at::ones({}, options)};
+    b.offsets.reserve(segments.size());
+    b.segments.reserve(segments.size());
+    for (const buffer_segment& s : segments) {
+      b.offsets.push_back(s.offset);
+      b.segments.push_back(b.values.narrow(0, static_cast<std::int64_t>(s.offset), static_cast<std::int64_t>(s.size))
+                               .view(detail::torch_sizes(s.shape)));
+    }
+    return b;
   } catch (const c10::Error&) {
     throw std::bad_alloc();
   }
 }
 
+namespace detail {
+
+/// The buffer's view of the segment starting at `offset` with `count` elements, or a new view
+/// of those elements (1-D) when no segment is exactly that.
+inline at::Tensor torch_segment(const torch_buffer& b, std::size_t offset, std::size_t count) {
+  const auto at = std::lower_bound(b.offsets.begin(), b.offsets.end(), offset);
+  if (at != b.offsets.end() && *at == offset) {
+    const at::Tensor& segment = b.segments[static_cast<std::size_t>(at - b.offsets.begin())];
+    if (static_cast<std::size_t>(segment.numel()) == count) return segment;
+  }
+  if (offset == 0 && static_cast<std::int64_t>(count) == b.values.numel()) return b.values;
+  return b.values.narrow(0, static_cast<std::int64_t>(offset), static_cast<std::int64_t>(count));
+}
+
+}  // namespace detail
+
 template <class W, class T>
 void torch_backend::add_scaled(buffer<W>& acc, std::size_t offset, const tensor<T>& g, W scale) noexcept {
   const at::Tensor& x = g.tensor();
-  const at::Tensor segment = acc.values.narrow(0, static_cast<std::int64_t>(offset), x.numel()).view(x.sizes());
+  at::Tensor segment = detail::torch_segment(acc, offset, static_cast<std::size_t>(x.numel()));
+  if (segment.sizes() != x.sizes()) segment = segment.view(x.sizes());
   if (std::is_same_v<T, W> && scale == W{1}) {
     segment.add_(x);  // nothing to convert or scale: one pass, one rounding
   } else {
@@ -384,21 +419,30 @@ void torch_backend::add_scaled(buffer<W>& acc, std::size_t offset, const tensor<
 template <class W>
 at::Tensor torch_backend::map(const buffer<W>& b, std::size_t offset, const tensor_shape& s,
                               const device_type& /*device*/) {
-  const auto count = static_cast<std::int64_t>(*s.checked_element_count());
-  return b.values.narrow(0, static_cast<std::int64_t>(offset), count).view(detail::torch_sizes(s));
+  const std::vector<std::int64_t> sizes = detail::torch_sizes(s);
+  const at::Tensor segment = detail::torch_segment(b, offset, *s.checked_element_count());
+  return segment.sizes() == at::IntArrayRef(sizes) ? segment : segment.view(sizes);
 }
 
 template <class W>
 void torch_backend::divide(buffer<W>& b, std::size_t offset, std::size_t count, W first, W second) noexcept {
-  at::Tensor segment = b.values.narrow(0, static_cast<std::int64_t>(offset), static_cast<std::int64_t>(count));
-  // A 0-dim tensor on the device, not a scalar: CUDA multiplies by a scalar's reciprocal.
-  if (first != W{1}) segment.div_(b.divisors[0].fill_(first));
-  if (second != W{1}) segment.div_(b.divisors[1].fill_(second));
+  at::Tensor segment = detail::torch_segment(b, offset, count);
+  // A 0-dim tensor on the device, not a scalar: CUDA multiplies by a scalar's reciprocal. Its
+  // value is set only when it changes (a window's segments share their divisors).
+  const std::array<W, 2> by{first, second};
+  for (std::size_t i = 0; i < 2; ++i) {
+    if (by[i] == W{1}) continue;
+    if (b.divisor_values[i] != static_cast<double>(by[i])) {
+      b.divisors[i].fill_(by[i]);
+      b.divisor_values[i] = static_cast<double>(by[i]);
+    }
+    segment.div_(b.divisors[i]);
+  }
 }
 
 template <class W>
 void torch_backend::zero(buffer<W>& b, std::size_t offset, std::size_t count) noexcept {
-  b.values.narrow(0, static_cast<std::int64_t>(offset), static_cast<std::int64_t>(count)).zero_();
+  detail::torch_segment(b, offset, count).zero_();
 }
 
 template <class W>
