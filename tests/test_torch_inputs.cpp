@@ -329,5 +329,26 @@ TEST_CASE("lazily transformed tensors go in as their values: negation bit resolv
   CHECK(values<float>(window.pending(), "z") == std::vector<float>{0, 0, 0});
 }
 
+TEST_CASE("a result reshaped in place by the caller does not reach the next window's adds") {
+  parameter_set<B> params;
+  params.add("w", at::zeros({2, 3}));
+  const at::Tensor g = at::arange(6, at::kFloat).view({2, 3});
+  gradients_params<B> grads;
+  grads.insert("w", g);
+  weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+  window.accumulate_sum(params, grads, 1.0);
+  {
+    const auto first = window.finish_sums();
+    at::Tensor result = *first.gradients.get<float>("w");
+    result.t_();  // its sizes and strides, in place
+    CHECK(result.sizes() == at::IntArrayRef{3, 2});
+  }  // the buffer goes back to the window, which reuses it
+  window.accumulate_sum(params, grads, 1.0);
+  const auto second = window.finish_sums();
+  const at::Tensor result = *second.gradients.get<float>("w");
+  CHECK(result.sizes() == at::IntArrayRef{2, 3});
+  CHECK(values<float>(second.gradients, "w") == std::vector<float>{0, 1, 2, 3, 4, 5});
+}
+
 }  // namespace
 }  // namespace gradaccum::test

@@ -419,9 +419,9 @@ void torch_backend::add_scaled(buffer<W>& acc, std::size_t offset, const tensor<
 template <class W>
 at::Tensor torch_backend::map(const buffer<W>& b, std::size_t offset, const tensor_shape& s,
                               const device_type& /*device*/) {
-  const std::vector<std::int64_t> sizes = detail::torch_sizes(s);
-  const at::Tensor segment = detail::torch_segment(b, offset, *s.checked_element_count());
-  return segment.sizes() == at::IntArrayRef(sizes) ? segment : segment.view(sizes);
+  // A new view, not the buffer's own: what a caller does to its result's sizes or strides
+  // (`squeeze_()`, `t_()`) must not reach the view the next window's adds go through.
+  return detail::torch_segment(b, offset, *s.checked_element_count()).view(detail::torch_sizes(s));
 }
 
 template <class W>
