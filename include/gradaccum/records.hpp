@@ -144,8 +144,13 @@ struct tensor_view {
   std::size_t count = 0;
   std::size_t offset = 0;
 
+  // get_if, not std::visit: this inline function is compiled wherever the core is included.
   [[nodiscard]] std::size_t size() const noexcept {
-    return source != nullptr ? count : std::visit([](auto v) { return v.size(); }, values);
+    if (source != nullptr) return count;
+    if (const auto* f32 = std::get_if<std::span<const float>>(&values)) return f32->size();
+    if (const auto* f64 = std::get_if<std::span<const double>>(&values)) return f64->size();
+    const auto* bits = std::get_if<std::span<const std::uint16_t>>(&values);
+    return bits != nullptr ? bits->size() : 0;
   }
 };
 
