@@ -5,7 +5,9 @@
 /// Its tensors are `vector_backend`'s (devices 0 and 1); a window's values live in
 /// `buffer<W>`s whose storage is private, so the library reaches them only through the
 /// operations of `<gradaccum/device_buffers.hpp>`, as it must reach an accelerator's memory.
-/// The arithmetic is `gradaccum::kernels`', so its bits are the host window's.
+/// The arithmetic is `gradaccum::kernels`', so its bits are the host window's. Adds are queued
+/// and done by `flush_adds`, as a GPU backend batches its launches, so a read the library makes
+/// before flushing would miss them and fail the tests.
 
 #include <algorithm>
 #include <cstddef>
@@ -32,7 +34,14 @@ struct device_backend {
   template <class W>
   class buffer {
     friend struct device_backend;
+    struct queued_add {
+      std::size_t offset;
+      const void* g;
+      void (*add)(W* acc, const void* g, W scale) noexcept;
+      W scale;
+    };
     std::vector<W> values_;
+    std::vector<queued_add> queued_;  // room for one add per segment, reserved at allocate
     device_type device_ = 0;
   };
 
@@ -59,16 +68,27 @@ struct device_backend {
   }
 
   template <class W>
-  static buffer<W> allocate(std::size_t count, std::span<const buffer_segment> /*segments*/,
-                            const device_type& device) {
+  static buffer<W> allocate(std::size_t count, std::span<const buffer_segment> segments, const device_type& device) {
     buffer<W> b;
     b.values_.assign(count, W{0});
+    b.queued_.reserve(segments.size());
     b.device_ = device;
     return b;
   }
   template <class W, class X>
   static void add_scaled(buffer<W>& acc, std::size_t offset, const X& g, W scale) noexcept {
-    kernels::add_scaled(acc.values_.data() + offset, g.values.data(), g.values.size(), scale);
+    if (acc.queued_.size() == acc.queued_.capacity()) flush_adds(acc);
+    acc.queued_.push_back({offset, &g,
+                           [](W* sums, const void* x, W s) noexcept {
+                             const X& values = *static_cast<const X*>(x);
+                             kernels::add_scaled(sums, values.values.data(), values.values.size(), s);
+                           },
+                           scale});
+  }
+  template <class W>
+  static void flush_adds(buffer<W>& b) noexcept {
+    for (const auto& q : b.queued_) q.add(b.values_.data() + q.offset, q.g, q.scale);
+    b.queued_.clear();
   }
   /// A result: a view of the device buffer, on its device.
   template <class W>

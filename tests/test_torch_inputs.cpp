@@ -7,6 +7,7 @@
 // (conformance.hpp).
 #include "test_torch_support.hpp"
 
+#include <bit>
 #include <cstdint>
 #include <span>
 #include <sstream>
@@ -348,6 +349,92 @@ TEST_CASE("a result reshaped in place by the caller does not reach the next wind
   const at::Tensor result = *second.gradients.get<float>("w");
   CHECK(result.sizes() == at::IntArrayRef{2, 3});
   CHECK(values<float>(second.gradients, "w") == std::vector<float>{0, 1, 2, 3, 4, 5});
+}
+
+/// `window`'s pending values of `id` against `expected`, bit for bit.
+void check_bits(const flat_gradients<B>& pending, const std::string& id, const std::vector<float>& expected) {
+  CAPTURE(id);
+  const std::vector<float> got = values<float>(pending, id);
+  REQUIRE(got.size() == expected.size());
+  std::size_t differing = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    differing += std::bit_cast<std::uint32_t>(got[i]) != std::bit_cast<std::uint32_t>(expected[i]);
+  CHECK(differing == 0);
+}
+
+/// sums[id] = sums[id] + float(g) · w, element by element, two roundings: the contract's add.
+void add_expected(std::vector<float>& sums, const at::Tensor& g, float w) {
+  const std::vector<float> x = floats_of(g);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float product = x[i] * w;
+    sums[i] = sums[i] + product;
+  }
+}
+
+TEST_CASE("the adds of a call go out together and give the bits of one add at a time") {
+  torch::manual_seed(7);
+  SUBCASE("300 small parameters of every input form, summed and weighted") {
+    parameter_set<B> params;
+    std::vector<std::string> ids;
+    std::vector<std::vector<float>> expected;
+    for (int k = 0; k < 300; ++k) {
+      ids.push_back("p" + std::to_string(k));
+      const std::vector<std::int64_t> shape = k % 3 == 0   ? std::vector<std::int64_t>{3, 5}
+                                              : k % 3 == 1 ? std::vector<std::int64_t>{7}
+                                                           : std::vector<std::int64_t>{2, 3, 4};
+      params.add(ids.back(), torch::zeros(shape));
+      expected.emplace_back(static_cast<std::size_t>(at::zeros(shape).numel()), 0.0F);
+    }
+    weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+    for (const float w : {1.0F, 0.3F, 1.0F, 1.7F}) {
+      gradients_params<B> grads;
+      for (std::size_t k = 0; k < ids.size(); ++k) {
+        if (k % 11 == 5) continue;  // absent from this microbatch
+        const at::Tensor plain = torch::randn(params[k].shape.rank() == 1   ? std::vector<std::int64_t>{7}
+                                              : params[k].shape.rank() == 2 ? std::vector<std::int64_t>{3, 5}
+                                                                            : std::vector<std::int64_t>{2, 3, 4});
+        at::Tensor g;
+        switch (k % 5) {
+          case 0: g = plain; break;                                                  // F32, contiguous
+          case 1: g = plain.to(at::kBFloat16); break;                                // converted
+          case 2: g = plain.dim() == 2 ? plain.t().contiguous().t() : plain; break;  // transposed
+          case 3: g = at::_neg_view(plain.neg()); break;                             // negation bit
+          default: g = plain.to(at::kHalf); break;
+        }
+        grads.insert(ids[k], g);
+        add_expected(expected[k], g, w);
+      }
+      if (w == 1.0F) {
+        window.accumulate_sum(params, grads, 1.0);
+      } else {
+        window.accumulate_mean(params, grads, w);
+      }
+    }
+    for (std::size_t k = 0; k < ids.size(); ++k) check_bits(window.pending(), ids[k], expected[k]);
+  }
+  SUBCASE("gradients larger than the scratch, and staged ones that fill it") {
+    // The scratch holds 4 Mi elements: "huge" is added in pieces of rows, and of one row's
+    // elements; "big" in pieces of 2,048 rows; "m1" and "m2" (3 Mi and 2 Mi) do not fit together.
+    const std::vector<std::pair<std::string, std::vector<std::int64_t>>> shapes = {
+        {"huge", {2, 4194305}}, {"big", {2049, 2048}}, {"m1", {3, 1048576}}, {"m2", {2, 1048576}}};
+    parameter_set<B> params;
+    std::vector<std::vector<float>> expected;
+    for (const auto& [id, shape] : shapes) {
+      params.add(id, torch::zeros(shape));
+      expected.emplace_back(static_cast<std::size_t>(shape[0] * shape[1]), 0.0F);
+    }
+    weighted_gradients_accumulator<B> window(float_dtype::f32, 1.0);
+    for (const float w : {0.3F, 1.7F}) {
+      gradients_params<B> grads;
+      for (std::size_t k = 0; k < shapes.size(); ++k) {
+        const at::Tensor g = torch::randn(shapes[k].second).to(at::kBFloat16);
+        grads.insert(shapes[k].first, g);
+        add_expected(expected[k], g, w);
+      }
+      window.accumulate_mean(params, grads, w);
+    }
+    for (std::size_t k = 0; k < shapes.size(); ++k) check_bits(window.pending(), shapes[k].first, expected[k]);
+  }
 }
 
 }  // namespace

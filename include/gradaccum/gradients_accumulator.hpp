@@ -243,6 +243,10 @@ class gradients_accumulator {
     } else {
       add_entries<W, Bound>(grads, scale);
     }
+    if constexpr (device_buffers_backend<B>) {
+      // A device backend may queue adds to issue them together; none may outlive the call.
+      static_cast<detail::device_values_of<B, W>&>(*pending_.storage_->device).flush_adds();
+    }
   }
   template <class W, bool Bound>
   [[gnu::noinline]] void add_entries(const gradients_params<B>& grads, W scale) noexcept {

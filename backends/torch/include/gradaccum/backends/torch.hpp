@@ -15,17 +15,18 @@
 ///   in, a finished mean back into the parameters' `.grad()`, for a `torch::optim` step.
 ///
 /// Windows live where the parameters do: `torch_backend` provides device buffers
-/// (`<gradaccum/device_buffers.hpp>`), one flat tensor of the work dtype per device, and adds
-/// with libtorch's own operations on that device, a CUDA window without a host round trip. The
-/// contract's roundings hold: a gradient is converted to the work dtype (exact), multiplied by
-/// its scale (one rounding) and added (one rounding), never `add_(g, alpha)`, which may fuse the
-/// two; divisions are true divisions by a value on the device (a CPU scalar would let CUDA
-/// multiply by its reciprocal). Each operation rounds per element, so a window gives the same
-/// bits on the CPU, on CUDA and on the Eigen and xtensor backends. Results (`get<W>`) are tensors
-/// viewing the window's buffer, on its device. The product goes through a scratch tensor of at
-/// most 4 Mi elements per device: a gradient of the work dtype with a scale other than 1 costs
-/// two passes (multiply, add), one of another dtype three (convert, multiply, add), where
-/// `accumulate_sum` of a gradient of the work dtype costs one.
+/// (`<gradaccum/device_buffers.hpp>`), one flat tensor of the work dtype per device
+/// (`torch_buffer`), and adds with libtorch's own operations on that device, a CUDA window
+/// without a host round trip. The contract's roundings hold: a gradient is converted to the work
+/// dtype (exact), multiplied by its scale (one rounding) and added (one rounding), never
+/// `add_(g, alpha)`, which may fuse the two; divisions are true divisions by a value on the
+/// device (a CPU scalar would let CUDA multiply by its reciprocal). Each operation rounds per
+/// element, so a window gives the same bits on the CPU, on CUDA and on the Eigen and xtensor
+/// backends. The adds of one accumulate call go out together, as one `_foreach_add_`; a product
+/// is staged in a scratch tensor of at most 4 Mi elements per device: a gradient of the work
+/// dtype with a scale other than 1 costs two passes (multiply, add), one of another dtype three
+/// (convert, multiply, add), where `accumulate_sum` of a gradient of the work dtype costs one.
+/// Results (`get<W>`) are tensors viewing the window's buffer, on its device.
 ///
 /// @code
 /// auto named = model->named_parameters();
@@ -64,6 +65,7 @@
 #include <vector>
 
 #include "gradaccum/backend.hpp"
+#include "gradaccum/backends/torch_buffer.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/flat_gradients.hpp"
@@ -102,19 +104,6 @@ class torch_tensor {
   at::Tensor value_;
 };
 
-/// @brief A window's values on one device (`torch_backend::buffer<W>`): a flat tensor of the
-/// work dtype, and what its adds and divisions need there, allocated with it.
-struct torch_buffer {
-  at::Tensor values;                               ///< 1-D, the device's segments back to back
-  at::Tensor scratch;                              ///< 1-D, room for one piece of a gradient converted and scaled
-  std::array<at::Tensor, 2> divisors;              ///< 0-dim, on the device: `divide`'s divisors
-  std::array<double, 2> divisor_values{1.0, 1.0};  ///< what `divisors` hold
-  /// Each segment's start, ascending, and a tensor of its parameter's shape viewing it, made
-  /// once: an add or a result is then one libtorch call, not three.
-  std::vector<std::size_t> offsets;
-  std::vector<at::Tensor> segments;
-};
-
 /// @brief Traits that adapt `torch::Tensor`s to `serializable_backend` (see the file comment).
 ///
 /// Devices are `c10::Device`s: a gradient must be on its parameter's device. A tensor is read
@@ -151,14 +140,17 @@ struct torch_backend {
   using buffer = torch_buffer;
 
   /// `count` zeros of W on `device`, a view of each of `segments`, and a scratch of up to 4 Mi
-  /// elements (no more than the largest segment).
+  /// elements (no more than `count`).
   /// @throws std::bad_alloc when libtorch cannot allocate them.
   template <class W>
   static buffer<W> allocate(std::size_t count, std::span<const buffer_segment> segments, const device_type& device);
 
-  /// acc[offset, offset + numel(g)) += scale · W(g), on acc's device, rounding twice.
+  /// Queues acc[offset, offset + numel(g)) += scale · W(g), on acc's device, rounding twice.
   template <class W, class T>
   static void add_scaled(buffer<W>& acc, std::size_t offset, const tensor<T>& g, W scale) noexcept;
+  /// Does the queued adds together (`_foreach_add_`).
+  template <class W>
+  static void flush_adds(buffer<W>& acc) noexcept;
 
   /// A tensor of dtype W and shape `s` viewing the buffer from `offset`, on its device.
   template <class W>
@@ -215,9 +207,6 @@ void write_gradients(const torch::OrderedDict<std::string, at::Tensor>& named,
 
 namespace detail {
 
-template <class T>
-inline constexpr at::ScalarType torch_scalar_type = c10::CppTypeToScalarType<T>::value;
-
 /// `x`'s values on the host, as a strided view in elements (libtorch's strides are in elements).
 template <class T>
 strided_view<const T> torch_host_view(const at::Tensor& host, const tensor_shape& shape) {
@@ -271,10 +260,6 @@ inline at::Tensor torch_host_values(const at::Tensor& x) {
   });
 }
 
-inline std::vector<std::int64_t> torch_sizes(const tensor_shape& s) {
-  return {s.begin(), s.end()};
-}
-
 /// The first name of each distinct trainable tensor of `named` (ties once), with the tensor.
 template <class F>
 void for_each_trainable(const torch::OrderedDict<std::string, at::Tensor>& named, F&& f) {
@@ -322,98 +307,23 @@ tensor_shape torch_backend::shape(const tensor<T>& x) {
   return tensor_shape(std::span<const std::int64_t>(sizes.data(), sizes.size()));
 }
 
-namespace detail {
-
-inline constexpr std::int64_t torch_scratch_elements = std::int64_t{1} << 22;
-
-template <class W>
-at::TensorOptions torch_options(const c10::Device& device) {
-  return at::TensorOptions().dtype(torch_scalar_type<W>).device(device);
-}
-
-/// acc += scale · W(g) through `scratch`, in pieces of at most its size along g's leading axes.
-inline void torch_add_scaled_pieces(const at::Tensor& acc, const at::Tensor& g, const at::Scalar& scale, bool scaled,
-                                    const at::Tensor& scratch) {
-  const std::int64_t n = g.numel();
-  if (n <= scratch.numel()) {
-    at::Tensor staged = scratch.narrow(0, 0, n).view(g.sizes());
-    if (scaled && g.scalar_type() == scratch.scalar_type()) {
-      // One pass for the product (rounded once, in W), not a copy and then a multiply. The scale
-      // is a 0-dim tensor of W, so nothing promotes; a CPU one is a kernel argument on any device.
-      at::mul_out(staged, g, at::scalar_tensor(scale, scratch.options().device(at::kCPU)));
-    } else {
-      staged.copy_(g);  // to the work dtype: exact
-      if (scaled) staged.mul_(scale);
-    }
-    acc.add_(staged);
-    return;
-  }
-  const std::int64_t rows = g.size(0);
-  const std::int64_t per_row = n / rows;
-  if (per_row > scratch.numel()) {
-    for (std::int64_t i = 0; i < rows; ++i)
-      torch_add_scaled_pieces(acc.select(0, i), g.select(0, i), scale, scaled, scratch);
-    return;
-  }
-  const std::int64_t step = scratch.numel() / per_row;
-  for (std::int64_t i = 0; i < rows; i += step) {
-    const std::int64_t k = std::min(step, rows - i);
-    torch_add_scaled_pieces(acc.narrow(0, i, k), g.narrow(0, i, k), scale, scaled, scratch);
-  }
-}
-
-}  // namespace detail
-
 template <class W>
 torch_buffer torch_backend::allocate(std::size_t count, std::span<const buffer_segment> segments,
                                      const device_type& device) {
-  try {
-    const auto options = detail::torch_options<W>(device);
-    std::size_t largest = 0;
-    for (const buffer_segment& s : segments) largest = std::max(largest, s.size);
-    torch_buffer b;
-    b.values = at::zeros({static_cast<std::int64_t>(count)}, options);
-    b.scratch = at::empty({std::min(static_cast<std::int64_t>(largest), detail::torch_scratch_elements)}, options);
-    b.divisors = {at::ones({}, options), at::ones({}, options)};
-    b.offsets.reserve(segments.size());
-    b.segments.reserve(segments.size());
-    for (const buffer_segment& s : segments) {
-      b.offsets.push_back(s.offset);
-      b.segments.push_back(b.values.narrow(0, static_cast<std::int64_t>(s.offset), static_cast<std::int64_t>(s.size))
-                               .view(detail::torch_sizes(s.shape)));
-    }
-    return b;
-  } catch (const c10::Error&) {
-    throw std::bad_alloc();
-  }
+  return detail::torch_allocate<W>(count, segments, device);
 }
-
-namespace detail {
-
-/// The buffer's view of the segment starting at `offset` with `count` elements, or a new view
-/// of those elements (1-D) when no segment is exactly that.
-inline at::Tensor torch_segment(const torch_buffer& b, std::size_t offset, std::size_t count) {
-  const auto at = std::lower_bound(b.offsets.begin(), b.offsets.end(), offset);
-  if (at != b.offsets.end() && *at == offset) {
-    const at::Tensor& segment = b.segments[static_cast<std::size_t>(at - b.offsets.begin())];
-    if (static_cast<std::size_t>(segment.numel()) == count) return segment;
-  }
-  if (offset == 0 && static_cast<std::int64_t>(count) == b.values.numel()) return b.values;
-  return b.values.narrow(0, static_cast<std::int64_t>(offset), static_cast<std::int64_t>(count));
-}
-
-}  // namespace detail
 
 template <class W, class T>
 void torch_backend::add_scaled(buffer<W>& acc, std::size_t offset, const tensor<T>& g, W scale) noexcept {
   const at::Tensor& x = g.tensor();
   at::Tensor segment = detail::torch_segment(acc, offset, static_cast<std::size_t>(x.numel()));
   if (segment.sizes() != x.sizes()) segment = segment.view(x.sizes());
-  if (std::is_same_v<T, W> && scale == W{1}) {
-    segment.add_(x);  // nothing to convert or scale: one pass, one rounding
-  } else {
-    detail::torch_add_scaled_pieces(segment, x, at::Scalar(scale), scale != W{1}, acc.scratch);
-  }
+  detail::torch_queue_add(acc, std::move(segment), x, at::Scalar(scale), std::is_same_v<T, W>, scale != W{1});
+}
+
+template <class W>
+void torch_backend::flush_adds(buffer<W>& acc) noexcept {
+  detail::torch_flush_adds(acc);
 }
 
 template <class W>
@@ -426,18 +336,7 @@ at::Tensor torch_backend::map(const buffer<W>& b, std::size_t offset, const tens
 
 template <class W>
 void torch_backend::divide(buffer<W>& b, std::size_t offset, std::size_t count, W first, W second) noexcept {
-  at::Tensor segment = detail::torch_segment(b, offset, count);
-  // A 0-dim tensor on the device, not a scalar: CUDA multiplies by a scalar's reciprocal. Its
-  // value is set only when it changes (a window's segments share their divisors).
-  const std::array<W, 2> by{first, second};
-  for (std::size_t i = 0; i < 2; ++i) {
-    if (by[i] == W{1}) continue;
-    if (b.divisor_values[i] != static_cast<double>(by[i])) {
-      b.divisors[i].fill_(by[i]);
-      b.divisor_values[i] = static_cast<double>(by[i]);
-    }
-    segment.div_(b.divisors[i]);
-  }
+  detail::torch_divide(b, offset, count, first, second);
 }
 
 template <class W>
