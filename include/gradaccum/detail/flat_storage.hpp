@@ -211,8 +211,11 @@ void for_each_piece(const flat_storage& storage, std::size_t position, std::size
 /// `from` to segment `to_position` (at `to_offset`) of `to`, converting to `to`'s dtype; through
 /// bounded host pieces where either side is on a device.
 /// @throws std::bad_alloc, or what a backend's `read` or `write` throws
-inline void copy_segment(const flat_storage& from, std::size_t from_position, std::size_t from_offset, flat_storage& to,
-                         std::size_t to_position, std::size_t to_offset, std::size_t size) {
+/// A template only so that a translation unit that copies no segment does not compile its eight
+/// conversion loops (an inline function's body is compiled wherever its header is included).
+template <class = void>
+void copy_segment(const flat_storage& from, std::size_t from_position, std::size_t from_offset, flat_storage& to,
+                  std::size_t to_position, std::size_t to_offset, std::size_t size) {
   const auto as_work_type = [](float_dtype dtype, auto&& f) { dtype == float_dtype::f64 ? f(double{}) : f(float{}); };
   if (!from.device && !to.device) {
     as_work_type(to.dtype, [&]<class W>(W) {
