@@ -104,13 +104,16 @@ struct device_backend {
     std::fill_n(b.values_.begin() + static_cast<std::ptrdiff_t>(offset), count, W{0});
   }
   /// The most elements one `read` copied to the host, and whether reads fail (a device copy
-  /// that fails), for the tests of host staging.
+  /// that fails): all of them, or, counting down, the `reads_until_failure`-th from now.
   static inline std::size_t largest_read = 0;
   static inline bool fail_reads = false;
+  static inline std::size_t reads_until_failure = 0;  // 0: none
 
   template <class W>
   static void read(const buffer<W>& b, std::size_t offset, std::span<W> out) {
-    if (fail_reads) throw std::runtime_error("device_backend: the device copy failed");
+    if (fail_reads || (reads_until_failure != 0 && --reads_until_failure == 0)) {
+      throw std::runtime_error("device_backend: the device copy failed");
+    }
     largest_read = std::max(largest_read, out.size());
     std::copy_n(b.values_.begin() + static_cast<std::ptrdiff_t>(offset), out.size(), out.begin());
   }

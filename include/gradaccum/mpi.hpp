@@ -24,6 +24,7 @@
 /// feature `mpi`); the umbrella header never includes it. Every rank must use the same backend
 /// and pass the same parameter set (same ids, shapes and order).
 
+#include <algorithm>
 #include <bit>
 #include <climits>
 #include <cmath>
@@ -267,12 +268,17 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
   const auto bucket_of = [&](float_dtype dtype) {
     return detail::mpi::bucket_elements(bucket_bytes, dtype == float_dtype::f64 ? sizeof(double) : sizeof(float));
   };
+  std::vector<double> staging;  // a staged window's host memory: one bucket of W (double-aligned)
   window_ = detail::mpi::agree(
       params, sums, comm,
       [&](std::size_t elements) {
         if (!blocking) {
           requests_.reserve(elements / bucket_of(sums.state.dtype) + 1);
           completed_.resize(requests_.capacity());
+        }
+        if (device_buffers_backend<B> && collectives == value_collectives::allreduce) {
+          const std::size_t bytes = std::min(bucket_of(sums.state.dtype), elements) * size_of(sums.state.dtype);
+          staging.resize((bytes + sizeof(double) - 1) / sizeof(double));
         }
         also_reserve(elements);
       },
@@ -281,6 +287,12 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
   taken_ = false;
   try {
     detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
+      if (window_.staged) {
+        const std::size_t count = std::min(bucket_, staging.size() * sizeof(double) / sizeof(W));
+        detail::mpi::reduce_staged(window_, std::span<W>(reinterpret_cast<W*>(staging.data()), count), comm);
+        sums.gradients = {};  // every bucket was read: the sums are taken only now
+        return;
+      }
       W* const values = detail::flat_access::storage(window_.gradients)->template data<W>();
       if (blocking) {
         for (std::size_t at = window_.begin; at < window_.end; at += bucket_) {

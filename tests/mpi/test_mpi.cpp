@@ -473,3 +473,39 @@ TEST_CASE_TEMPLATE("summed weights and counts that do not fit are an error on ev
   }
   check_ranks_still_agree(params);
 }
+
+TEST_CASE("a device window is reduced a bucket at a time, and a device copy failing midway takes nothing") {
+  INFO("rank " << world_rank << " of " << world_size);
+  using B = gradaccum::test::device_backend;
+  const auto params = parameters<B>();
+  constexpr std::size_t bucket = 4096;  // 1,024 F32 values: "big" (20,480) spans several buckets
+
+  B::largest_read = 0;
+  const auto mean = gradaccum::allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket);
+  CHECK(B::largest_read <= bucket / sizeof(float));  // no host copy of the window, nor of a segment
+  GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(single_process_mean(params, float_dtype::f32)));
+
+  // Rank 0 (which has sums) fails its fifth device read, after some buckets were reduced.
+  auto sums = local_sums(params, float_dtype::f32);
+  const auto before = record_of(sums);
+  const bool culprit = world_rank == 0;
+  if (culprit) B::reads_until_failure = 5;
+  try {
+    (void)gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket);
+    FAIL_CHECK("the reduction succeeded");
+  } catch (const std::runtime_error& e) {
+    const auto* library_error = dynamic_cast<const gradaccum::error*>(&e);
+    if (culprit) {
+      CHECK(library_error == nullptr);  // its own error: the backend's
+      CHECK(std::string(e.what()) == "device_backend: the device copy failed");
+    } else {
+      REQUIRE(library_error != nullptr);
+      CHECK(library_error->code() == errc::invalid_state);
+      CHECK(std::string(e.what()).find("rank 0 failed to copy its window") != std::string::npos);
+    }
+  }
+  B::reads_until_failure = 0;
+  GRADACCUM_CHECK_SAME_BITS(record_of(sums), before);  // not taken, not changed
+  const auto retried = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket);
+  GRADACCUM_CHECK_SAME_BITS(record_of(retried), record_of(mean));
+}

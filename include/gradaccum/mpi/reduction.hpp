@@ -14,6 +14,7 @@
 #include <exception>
 #include <limits>
 #include <memory>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -276,8 +277,13 @@ void normalize(W* x, std::size_t count, W s, W w) noexcept {
 /// global state.
 template <class B>
 struct agreed_window {
-  flat_gradients<B> gradients;           // host memory, for MPI
+  flat_gradients<B> gradients;           // host memory, for MPI; or, staged, the result on the devices
   std::shared_ptr<flat_storage> device;  // a device window's buffers, which the result goes back to
+  /// Staged (a device window's blocking allreduce): the sums on their devices, read a bucket at
+  /// a time, and the result written into `gradients` a bucket at a time. Null otherwise, and for
+  /// a rank without sums (it contributes zeros).
+  std::shared_ptr<const flat_storage> source;
+  bool staged = false;
   weighted_accumulation_state state;
   std::size_t begin = 0;  // elements [begin, end) hold every present segment: the ones reduced
   std::size_t end = 0;
@@ -299,17 +305,23 @@ inline void note_reduction(std::uint64_t number) noexcept {
 
 /// This rank's buffer for the reduction, found or made before the agreement so that nothing
 /// after it can fail: the sums' own when laid out for `params`, else their values copied into a
-/// buffer laid out for it (checked by id and shape), or zeros when there are none.
+/// buffer laid out for it (checked by id and shape), or zeros when there are none. A window on
+/// devices is either `staged` (the blocking `allreduce_mean`: its sums stay where they are, read
+/// a bucket at a time, and the result goes into new device buffers, so that a failed device copy
+/// midway leaves the sums as they were) or copied into host memory (the started reduction, whose
+/// buckets are all in flight at once, and the reduce-scatter, which takes the whole buffer).
 template <class B>
 struct local_window {
   std::shared_ptr<const flat_layout<B>> layout;
-  std::shared_ptr<flat_storage> storage;  // host memory
-  std::shared_ptr<flat_storage> device;   // for a window on devices: where the result goes back
-  std::vector<std::uint64_t> present;     // one bit per parameter position, for the presence exchange
+  std::shared_ptr<flat_storage> storage;       // host memory; staged, the result on the devices
+  std::shared_ptr<flat_storage> device;        // for a window on devices: where the result goes back
+  std::shared_ptr<const flat_storage> source;  // staged: the sums on their devices (or null: zeros)
+  bool staged = false;
+  std::vector<std::uint64_t> present;  // one bit per parameter position, for the presence exchange
 
   /// `whole_result`: the caller returns the whole result (not a shard), so a window on devices
-  /// goes back to them.
-  local_window(const parameter_set<B>& params, const accumulated_gradients<B>& sums, bool whole_result) {
+  /// goes back to them. `staged`: see the struct comment (only for a device-buffers backend).
+  local_window(const parameter_set<B>& params, const accumulated_gradients<B>& sums, bool whole_result, bool stage) {
     validate(sums.state);
     const flat_gradients<B>& g = sums.gradients;
     if (sums.state.total_weight == 0.0 && !g.empty()) {
@@ -324,13 +336,27 @@ struct local_window {
     layout =
         own_layout && own_layout->laid_out_for(params) ? own_layout : std::make_shared<const flat_layout<B>>(params);
     const bool fits = own_storage && layout == own_layout && own_storage->dtype == sums.state.dtype;
-    if (fits && !own_storage->device) {
+    staged = device_buffers_backend<B> && stage;
+    if (staged) {
+      if (fits) {
+        source = own_storage;
+      } else if (!g.empty()) {
+        std::shared_ptr<flat_storage> copy = allocate_storage(*layout, sums.state.dtype);
+        for (const auto& e : g) copy_into_layout(e, g, *copy);
+        source = std::move(copy);
+      }
+      storage = allocate_storage(*layout, sums.state.dtype);  // zeros, on the devices
+      if (source) {
+        storage->present = source->present;  // same length: the same layout
+        storage->present_count = source->present_count;
+      }
+    } else if (fits && !own_storage->device) {
       storage = own_storage;
     } else {
       // A window on devices is reduced through a copy in host memory, and its result goes back
       // into its own buffers (or new ones, laid out for `params`), allocated here, before the agreement.
       storage = flat_storage::allocate(sums.state.dtype, layout->elements(), layout->size());
-      for (const auto& e : g) copy_into_layout(e, g);
+      for (const auto& e : g) copy_into_layout(e, g, *storage);
       if constexpr (device_buffers_backend<B>) {
         if (whole_result) device = fits ? own_storage : allocate_storage(*layout, sums.state.dtype);
       }
@@ -338,15 +364,19 @@ struct local_window {
     present.resize((layout->size() + 63) / 64);
   }
 
-  /// Takes the buffers into `window` (the caller's sums are moved from here, once nothing can fail).
+  /// Takes the buffers into `window`. The caller's sums are moved from here, once nothing can
+  /// fail; staged, once every bucket was read (`reduce_staged`).
   void take(accumulated_gradients<B>& sums, agreed_window<B>& window) noexcept {
-    sums.gradients = {};
+    if (!staged) sums.gradients = {};
     window.gradients = flat_access::make(std::move(layout), std::move(storage));
     window.device = std::move(device);
+    window.source = std::move(source);
+    window.staged = staged;
   }
 
  private:
-  void copy_into_layout(const typename flat_gradients<B>::entry& e, const flat_gradients<B>& from) {
+  void copy_into_layout(const typename flat_gradients<B>::entry& e, const flat_gradients<B>& from,
+                        flat_storage& target) {
     const auto position = layout->find(e.id);
     if (!position) {
       fail(errc::unknown_parameters,
@@ -359,8 +389,8 @@ struct local_window {
                " but its parameter has shape " + s.shape.to_string() + ".",
            std::string(e.id));
     }
-    copy_segment(*flat_access::storage(from), e.position, e.offset, *storage, *position, s.offset, e.size);
-    storage->mark_present(*position);
+    copy_segment(*flat_access::storage(from), e.position, e.offset, target, *position, s.offset, e.size);
+    target.mark_present(*position);
   }
 };
 
@@ -468,7 +498,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   try {
     const bool whole_result =
         collectives == value_collectives::allreduce || collectives == value_collectives::started_allreduce;
-    local = std::make_unique<local_window<B>>(params, sums, whole_result);
+    local = std::make_unique<local_window<B>>(params, sums, whole_result, collectives == value_collectives::allreduce);
     reserve(local->layout->elements());
   } catch (const error& e) {
     local_failure = std::current_exception();
@@ -558,6 +588,85 @@ void reduce(W* values, std::size_t begin, std::size_t end, W scale, W weight, MP
   check(MPI_Allreduce(MPI_IN_PLACE, values + begin, static_cast<int>(end - begin), datatype<W>(), MPI_SUM, comm),
         "MPI_Allreduce");
   normalize(values + begin, end - begin, scale, weight);
+}
+
+/// `f(position, first, to, count)` for each segment of `layout` meeting elements [at, at + size)
+/// of the buffer: its elements [first, first + count) are the bucket's [to, to + count).
+/// `position` is where to start looking, kept from one bucket to the next (they ascend).
+template <class B, class F>
+void for_each_overlap(const flat_layout<B>& layout, std::size_t& position, std::size_t at, std::size_t size, F&& f) {
+  while (position < layout.size() && layout[position].offset + layout[position].size <= at) ++position;
+  for (std::size_t p = position; p < layout.size() && layout[p].offset < at + size; ++p) {
+    const flat_segment<B>& s = layout[p];
+    const std::size_t begin = std::max(s.offset, at);
+    const std::size_t end = std::min(s.offset + s.size, at + size);
+    if (begin < end) f(p, begin - s.offset, begin - at, end - begin);
+  }
+}
+
+/// The buckets of a staged window (see `local_window`), through `staging` (one bucket of host
+/// memory): each is read from the sums' devices, summed over `comm` and normalized as `reduce`
+/// does, and written into the result's devices; then one more small collective says whether
+/// every rank's copies succeeded. A failed copy ends this rank's copies (it contributes zeros to
+/// the remaining buckets, so no peer waits), and every rank then throws: the one that failed
+/// first its own error, every other its code. The sums were only read, so they are as they were.
+template <class B, class W>
+void reduce_staged(agreed_window<B>& window, std::span<W> staging, MPI_Comm comm) {
+  const flat_layout<B>& layout = *flat_access::layout(window.gradients);
+  flat_storage& result = *flat_access::storage(window.gradients);
+  const flat_storage* const source = window.source.get();
+  std::exception_ptr failure;
+  errc code = errc::invalid_state;
+  const auto note_failure = [&] {
+    failure = std::current_exception();
+    try {
+      throw;
+    } catch (const error& e) {
+      code = e.code();
+    } catch (...) {
+    }
+  };
+  std::size_t read_from = 0;
+  std::size_t write_from = 0;
+  for (std::size_t at = window.begin; at < window.end; at += staging.size()) {
+    const std::span<W> bucket = staging.first(std::min(staging.size(), window.end - at));
+    std::fill(bucket.begin(), bucket.end(), W{0});
+    if (source != nullptr && !failure) {
+      try {
+        for_each_overlap(layout, read_from, at, bucket.size(),
+                         [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
+                           if (source->present[p] != 0)
+                             source->device->read(p, first, std::as_writable_bytes(bucket.subspan(to, n)));
+                         });
+      } catch (...) {
+        note_failure();
+        std::fill(bucket.begin(), bucket.end(), W{0});
+      }
+    }
+    reduce(bucket.data(), 0, bucket.size(), static_cast<W>(window.state.loss_scale),
+           static_cast<W>(window.state.total_weight), comm);
+    if (failure) continue;
+    try {
+      for_each_overlap(layout, write_from, at, bucket.size(),
+                       [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
+                         if (result.present[p] != 0)
+                           result.device->write(p, first, std::as_bytes(bucket.subspan(to, n)));
+                       });
+    } catch (...) {
+      note_failure();
+    }
+  }
+  int rank = 0;
+  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  std::uint64_t first_failure =
+      failure ? static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(code) : no_failure;
+  check(MPI_Allreduce(MPI_IN_PLACE, &first_failure, 1, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+  if (first_failure == no_failure) return;
+  if (failure && first_failure >> 8 == static_cast<std::uint64_t>(rank)) std::rethrow_exception(failure);
+  const auto failed_code = static_cast<errc>(first_failure & 0xffU);
+  fail(failed_code, "rank " + std::to_string(first_failure >> 8) +
+                        " failed to copy its window between host and device (" +
+                        make_error_code(failed_code).message() + "); the sums were not taken.");
 }
 
 }  // namespace gradaccum::detail::mpi
