@@ -95,6 +95,11 @@ enum class shard_reduction {
 /// Values are summed in buckets of `bucket_bytes` (at least one element, at most `INT_MAX`);
 /// every rank must pass the same, else error(errc::invalid_state) on every rank. The buckets are
 /// summed one after another, each by one blocking `MPI_Allreduce`.
+///
+/// Sums on a device (`device_buffers_backend`) go through one bucket of host memory at a time,
+/// into new device buffers that become the result. A device copy that fails (the backend's
+/// `read` or `write` throws) is thrown after the last bucket by every rank: by that rank as
+/// thrown, by the others as error(errc::invalid_state) naming it; `sums` is then as it was.
 template <class B>
 [[nodiscard]] accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
                                                       MPI_Comm comm, std::size_t bucket_bytes = default_bucket_bytes);
