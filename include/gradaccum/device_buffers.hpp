@@ -31,12 +31,17 @@
 /// @code
 /// // completes every add that `add_scaled` queued on this buffer
 /// template <class W> static void flush_adds(buffer<W>&) noexcept;
+/// // the buffer's first element, for an MPI library to read and write in place once the device's
+/// // queued work is done, or nullptr when it cannot reach this memory (`cuda_aware`: it reports
+/// // support for CUDA device memory); may throw
+/// template <class W> static W* data(buffer<W>&, bool cuda_aware);
 /// @endcode
 ///
 /// With `flush_adds`, `add_scaled` may queue its add instead of doing it (holding `g` no longer
 /// than the accumulate call): the library calls `flush_adds` on every buffer at the end of each
 /// accumulate call, so nothing else ever sees a queued add. A backend whose adds are bound by
-/// kernel launches (many small parameters on a GPU) issues them together there.
+/// kernel launches (many small parameters on a GPU) issues them together there. With `data`,
+/// `allreduce_mean` hands a window on one device straight to MPI when every rank's can.
 ///
 /// Everything else a window does (records and checkpoints, the global norm and clipping, MPI
 /// reductions, a change of work dtype) goes through `read` and `write`, so its bits are the

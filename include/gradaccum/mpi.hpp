@@ -96,10 +96,13 @@ enum class shard_reduction {
 /// every rank must pass the same, else error(errc::invalid_state) on every rank. The buckets are
 /// summed one after another, each by one blocking `MPI_Allreduce`.
 ///
-/// Sums on a device (`device_buffers_backend`) go through one bucket of host memory at a time,
-/// into new device buffers that become the result. A device copy that fails (the backend's
-/// `read` or `write` throws) is thrown after the last bucket by every rank: by that rank as
-/// thrown, by the others as error(errc::invalid_state) naming it; `sums` is then as it was.
+/// Sums on a device (`device_buffers_backend`) are reduced into new device buffers that become
+/// the result: straight from buffer to buffer when every rank's window is on one device whose
+/// memory its MPI library reaches (the backend's `data`: host memory, or CUDA memory with a
+/// CUDA-aware MPI), else through one bucket of host memory at a time. A device copy that fails
+/// (the backend's `read` or `write` throws) is thrown after the last bucket by every rank: by
+/// that rank as thrown, by the others as error(errc::invalid_state) naming it; `sums` is then as
+/// it was.
 template <class B>
 [[nodiscard]] accumulated_gradients<B> allreduce_mean(const parameter_set<B>& params, accumulated_gradients<B>&& sums,
                                                       MPI_Comm comm, std::size_t bucket_bytes = default_bucket_bytes);
@@ -294,7 +297,11 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
     detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
       if (window_.staged) {
         const std::size_t count = std::min(bucket_, staging.size() * sizeof(double) / sizeof(W));
-        detail::mpi::reduce_staged(window_, std::span<W>(reinterpret_cast<W*>(staging.data()), count), comm);
+        if (window_.direct) {
+          detail::mpi::reduce_direct<B, W>(window_, bucket_, comm);
+        } else {
+          detail::mpi::reduce_staged(window_, std::span<W>(reinterpret_cast<W*>(staging.data()), count), comm);
+        }
         sums.gradients = {};  // every bucket was read: the sums are taken only now
         return;
       }

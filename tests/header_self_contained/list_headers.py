@@ -27,6 +27,7 @@ COMPONENT_OF_PREFIX = {
     "rapidjson/": "cereal",  # Debian's cereal uses the system rapidjson
     "xxhash.h": "cereal",  # checkpoint checksums (libxxhash, header-only)
     "mpi.h": "mpi",
+    "mpi-ext.h": "mpi",  # Open MPI's extensions (its CUDA support query), where present
     "ATen/": "torch",
     "c10/": "torch",
     "torch/": "torch",

@@ -509,3 +509,28 @@ TEST_CASE("a device window is reduced a bucket at a time, and a device copy fail
   const auto retried = gradaccum::allreduce_mean(params, std::move(sums), MPI_COMM_WORLD, bucket);
   GRADACCUM_CHECK_SAME_BITS(record_of(retried), record_of(mean));
 }
+
+TEST_CASE("device buffers that MPI reaches go to it as they are, when every rank's do") {
+  INFO("rank " << world_rank << " of " << world_size);
+  using B = gradaccum::test::device_backend;
+  const auto params = parameters<B>();
+  const auto expected = record_of(single_process_mean(params, float_dtype::f64));
+  const auto reduce = [&] {
+    return gradaccum::allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD, bucket_bytes);
+  };
+  const bool has_sums = local_sums(params, float_dtype::f64).gradients.size() != 0;
+
+  B::mpi_reaches_buffers = true;
+  B::largest_read = 0;
+  const auto direct = reduce();
+  CHECK(B::largest_read == 0);  // nothing went through the host
+  GRADACCUM_CHECK_SAME_BITS(record_of(direct), expected);
+
+  // One rank whose MPI cannot take its buffers: every rank stages its buckets, with the same bits.
+  B::mpi_reaches_buffers = world_rank != 0;
+  B::largest_read = 0;
+  const auto staged = reduce();
+  CHECK((B::largest_read != 0) == has_sums);
+  GRADACCUM_CHECK_SAME_BITS(record_of(staged), expected);
+  B::mpi_reaches_buffers = false;
+}

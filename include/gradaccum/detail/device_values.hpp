@@ -40,6 +40,11 @@ class device_values : public values_on_device {
   virtual void divide(std::size_t position, double first, double second) noexcept = 0;
   /// Every buffer, whole (padding and absent segments are zeros and stay zeros).
   virtual void divide_all(double first, double second) noexcept = 0;
+  /// The values for an MPI library to read and write in place (`B::data`): laid out as the host
+  /// window is, so only when they are one buffer, and when the backend says MPI can reach its
+  /// memory; else null. Mutable through a const window, as MPI's send buffer is read only.
+  /// @throws what `B::data` throws (waiting for the device's queued work)
+  [[nodiscard]] virtual void* data(bool cuda_aware) const = 0;
 
   [[nodiscard]] const device_place& place(std::size_t position) const noexcept { return places_[position]; }
 
@@ -103,6 +108,13 @@ class device_values_of final : public device_values {
   void divide_all(double first, double second) noexcept override {
     for (std::size_t d = 0; d < buffers_.size(); ++d)
       B::template divide<W>(buffers_[d], 0, sizes_[d], static_cast<W>(first), static_cast<W>(second));
+  }
+
+  [[nodiscard]] void* data(bool cuda_aware) const override {
+    if constexpr (requires(buffer& b) { B::template data<W>(b, cuda_aware); }) {
+      if (buffers_.size() == 1) return B::template data<W>(const_cast<buffer&>(buffers_.front()), cuda_aware);
+    }
+    return nullptr;
   }
 
   /// The buffer and offset of segment `position`, for the backend's add and map.

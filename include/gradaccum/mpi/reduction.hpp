@@ -21,6 +21,9 @@
 #include <vector>
 
 #include <mpi.h>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support
+#endif
 
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
@@ -35,6 +38,16 @@ namespace gradaccum::detail::mpi {
 /// Elements of W in a bucket of `bytes`: at least one, at most what an MPI count (`int`) holds.
 inline std::size_t bucket_elements(std::size_t bytes, std::size_t element_size) noexcept {
   return std::clamp<std::size_t>(bytes / element_size, 1, static_cast<std::size_t>(INT_MAX));
+}
+
+/// Whether the MPI library reads and writes CUDA device memory (Open MPI's run-time query; false
+/// for a library that cannot say).
+inline bool mpi_takes_cuda_memory() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT)
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
 }
 
 /// MPI failures only reach here under `MPI_ERRORS_RETURN`; the default handler aborts the job.
@@ -115,6 +128,7 @@ struct agreement {
   word_range elements;      // the elements of a shard's window
   word_range values_dtype;  // of allgather_shards' buffer
   word_range max_norm;      // bit pattern of clip_by_global_norm's max_norm
+  word_range direct;        // 1 where a staged window's buffers go to MPI as they are (`local_window`)
   double total_weight = 0.0;
   std::uint64_t microbatches = 0;  // saturating sum: saturation means overflow
   std::uint64_t non_finite = 0;    // 1 when some rank's sums hold a NaN or an infinity (if checked)
@@ -132,6 +146,7 @@ struct agreement {
     elements.combine(other.elements);
     values_dtype.combine(other.values_dtype);
     max_norm.combine(other.max_norm);
+    direct.combine(other.direct);
     total_weight += other.total_weight;
     microbatches = other.microbatches > std::numeric_limits<std::uint64_t>::max() - microbatches
                        ? std::numeric_limits<std::uint64_t>::max()
@@ -284,6 +299,9 @@ struct agreed_window {
   /// a rank without sums (it contributes zeros).
   std::shared_ptr<const flat_storage> source;
   bool staged = false;
+  bool direct = false;                // staged, and every rank's buffers go to MPI as they are
+  void* result_data = nullptr;        // where this rank's are: the result's values,
+  const void* source_data = nullptr;  // and the sums' (null: none)
   weighted_accumulation_state state;
   std::size_t begin = 0;  // elements [begin, end) hold every present segment: the ones reduced
   std::size_t end = 0;
@@ -309,7 +327,9 @@ inline void note_reduction(std::uint64_t number) noexcept {
 /// devices is either `staged` (the blocking `allreduce_mean`: its sums stay where they are, read
 /// a bucket at a time, and the result goes into new device buffers, so that a failed device copy
 /// midway leaves the sums as they were) or copied into host memory (the started reduction, whose
-/// buckets are all in flight at once, and the reduce-scatter, which takes the whole buffer).
+/// buckets are all in flight at once, and the reduce-scatter, which takes the whole buffer). A
+/// staged window is `direct` when MPI can take its buffers as they are (`device_values::data`: one
+/// device, and memory the MPI library reaches): if every rank's is, no value crosses to the host.
 template <class B>
 struct local_window {
   std::shared_ptr<const flat_layout<B>> layout;
@@ -317,6 +337,9 @@ struct local_window {
   std::shared_ptr<flat_storage> device;        // for a window on devices: where the result goes back
   std::shared_ptr<const flat_storage> source;  // staged: the sums on their devices (or null: zeros)
   bool staged = false;
+  bool direct = false;
+  void* result_data = nullptr;  // direct: the buffers as MPI takes them
+  const void* source_data = nullptr;
   std::vector<std::uint64_t> present;  // one bit per parameter position, for the presence exchange
 
   /// `whole_result`: the caller returns the whole result (not a shard), so a window on devices
@@ -350,6 +373,10 @@ struct local_window {
         storage->present = source->present;  // same length: the same layout
         storage->present_count = source->present_count;
       }
+      const bool cuda_aware = mpi_takes_cuda_memory();
+      result_data = storage->device->data(cuda_aware);
+      source_data = source ? source->device->data(cuda_aware) : nullptr;
+      direct = result_data != nullptr && (!source || source_data != nullptr);
     } else if (fits && !own_storage->device) {
       storage = own_storage;
     } else {
@@ -372,6 +399,9 @@ struct local_window {
     window.device = std::move(device);
     window.source = std::move(source);
     window.staged = staged;
+    window.direct = direct;
+    window.result_data = result_data;
+    window.source_data = source_data;
   }
 
  private:
@@ -518,6 +548,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   agreed.window = word_range::of(last_reduction.load());
   agreed.total_weight = sums.state.total_weight;
   agreed.microbatches = sums.state.microbatches;
+  agreed.direct = word_range::of(local && local->direct ? 1 : 0);
   if (check_non_finite && local) {
     const flat_storage& own = *local->storage;
     const bool finite = own.dtype == float_dtype::f64 ? kernels::all_finite(own.data<double>(), own.elements)
@@ -561,6 +592,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
     window.end = layout[last].offset + layout[last].size;
   }
   local->take(sums, window);
+  window.direct = agreed.direct.min() == 1;
   return window;
 }
 
@@ -588,6 +620,21 @@ void reduce(W* values, std::size_t begin, std::size_t end, W scale, W weight, MP
   check(MPI_Allreduce(MPI_IN_PLACE, values + begin, static_cast<int>(end - begin), datatype<W>(), MPI_SUM, comm),
         "MPI_Allreduce");
   normalize(values + begin, end - begin, scale, weight);
+}
+
+/// The buckets of a `direct` staged window: each summed by MPI from the sums' device buffer into
+/// the result's (in place where a rank has no sums: its result holds zeros), then the result
+/// normalized on its device (`divide`: (x / s) / w, the bits of `normalize`).
+template <class B, class W>
+void reduce_direct(agreed_window<B>& window, std::size_t bucket, MPI_Comm comm) {
+  W* const out = static_cast<W*>(window.result_data);
+  const auto* const in = static_cast<const W*>(window.source_data);
+  for (std::size_t at = window.begin; at < window.end; at += bucket) {
+    const auto count = static_cast<int>(std::min(bucket, window.end - at));
+    const void* const send = in != nullptr ? static_cast<const void*>(in + at) : MPI_IN_PLACE;
+    check(MPI_Allreduce(send, out + at, count, datatype<W>(), MPI_SUM, comm), "MPI_Allreduce");
+  }
+  flat_access::storage(window.gradients)->device->divide_all(window.state.loss_scale, window.state.total_weight);
 }
 
 /// `f(position, first, to, count)` for each segment of `layout` meeting elements [at, at + size)

@@ -48,6 +48,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/ordered_dict.h>
 
 #include <algorithm>
@@ -151,6 +152,11 @@ struct torch_backend {
   /// Does the queued adds together (`_foreach_add_`).
   template <class W>
   static void flush_adds(buffer<W>& acc) noexcept;
+  /// The values for MPI to read and write in place: CPU memory, or CUDA memory when the MPI
+  /// library is CUDA-aware (after the work queued on the device's stream is done); else nullptr.
+  /// @throws error(errc::parameter_mismatch) when libtorch fails to wait for the device.
+  template <class W>
+  static W* data(buffer<W>& b, bool cuda_aware);
 
   /// A tensor of dtype W and shape `s` viewing the buffer from `offset`, on its device.
   template <class W>
@@ -324,6 +330,18 @@ void torch_backend::add_scaled(buffer<W>& acc, std::size_t offset, const tensor<
 template <class W>
 void torch_backend::flush_adds(buffer<W>& acc) noexcept {
   detail::torch_flush_adds(acc);
+}
+
+template <class W>
+W* torch_backend::data(buffer<W>& b, bool cuda_aware) {
+  if (b.values.is_cpu()) return static_cast<W*>(b.values.data_ptr());
+  if (!cuda_aware || !b.values.is_cuda()) return nullptr;
+  // MPI reads and writes the memory outside libtorch's stream: what is queued there goes first.
+  detail::torch_guarded({}, [&] {
+    const c10::Device device = b.values.device();
+    c10::impl::getDeviceGuardImpl(device.type())->getStream(device).synchronize();
+  });
+  return static_cast<W*>(b.values.data_ptr());
 }
 
 template <class W>
