@@ -343,7 +343,7 @@ struct local_window {
   std::vector<std::uint64_t> present;  // one bit per parameter position, for the presence exchange
 
   /// `whole_result`: the caller returns the whole result (not a shard), so a window on devices
-  /// goes back to them. `staged`: see the struct comment (only for a device-buffers backend).
+  /// goes back to them. `stage`: a window on devices is staged (see the struct comment).
   local_window(const parameter_set<B>& params, const accumulated_gradients<B>& sums, bool whole_result, bool stage) {
     validate(sums.state);
     const flat_gradients<B>& g = sums.gradients;
