@@ -154,8 +154,10 @@ inline void torch_add_scaled_pieces(const at::Tensor& acc, const at::Tensor& g, 
 inline void torch_queue_add(torch_buffer& b, at::Tensor segment, const at::Tensor& g, const at::Scalar& scale,
                             bool same_dtype, bool scaled) {
   if (b.queued_sums.size() == b.queued_sums.capacity()) torch_flush_adds(b);
-  // The negation bit is a flag, not values: staging resolves it; a zero tensor has no memory.
-  if (same_dtype && !scaled && !g.is_neg() && !g._is_zerotensor()) {
+  // The negation bit is a flag, not values: staging resolves it; a zero tensor has no memory. A
+  // strided gradient is staged too: `_foreach_add_` takes its multi-tensor kernels on CUDA only
+  // when every tensor is dense with its partner's strides, else adds each tensor on its own.
+  if (same_dtype && !scaled && g.is_contiguous() && !g.is_neg() && !g._is_zerotensor()) {
     b.queued_sums.push_back(std::move(segment));
     b.queued_addends.push_back(g);
     return;
