@@ -22,7 +22,8 @@
 /// `add_(g, alpha)`, which may fuse the two; divisions are true divisions by a value on the
 /// device (a CPU scalar would let CUDA multiply by its reciprocal). Each operation rounds per
 /// element, so a window gives the same bits on the CPU, on CUDA and on the Eigen and xtensor
-/// backends. The adds of one accumulate call go out together, as one `_foreach_add_`; a product
+/// backends. The adds of one accumulate call go out together (one `_foreach_add_` on a device, a
+/// loop of `add_` on the CPU); a product
 /// is staged in a scratch tensor of at most 4 Mi elements per device: a gradient of the work
 /// dtype with a scale other than 1 costs two passes (multiply, add), one of another dtype three
 /// (convert, multiply, add), where `accumulate_sum` of a gradient of the work dtype costs one.
@@ -149,7 +150,7 @@ struct torch_backend {
   /// Queues acc[offset, offset + numel(g)) += scale · W(g), on acc's device, rounding twice.
   template <class W, class T>
   static void add_scaled(buffer<W>& acc, std::size_t offset, const tensor<T>& g, W scale) noexcept;
-  /// Does the queued adds together (`_foreach_add_`).
+  /// Does the queued adds together (`_foreach_add_` on a device).
   template <class W>
   static void flush_adds(buffer<W>& acc) noexcept;
   /// The values for MPI to read and write in place: CPU memory, or CUDA memory when the MPI
