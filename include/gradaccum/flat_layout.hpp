@@ -109,4 +109,22 @@ class flat_layout {
   std::uint64_t params_identity_;
 };
 
+namespace detail {
+
+/// `f(position, first, to, count)` for each segment of `layout` meeting elements [at, at + size)
+/// of the buffer: its elements [first, first + count) are the range's [to, to + count).
+/// `position` is where to start looking, kept from one call to the next over ascending ranges
+/// (a reduction's buckets).
+template <class B, class F>
+void for_each_overlap(const flat_layout<B>& layout, std::size_t& position, std::size_t at, std::size_t size, F&& f) {
+  while (position < layout.size() && layout[position].offset + layout[position].size <= at) ++position;
+  for (std::size_t p = position; p < layout.size() && layout[p].offset < at + size; ++p) {
+    const flat_segment<B>& s = layout[p];
+    const std::size_t begin = std::max(s.offset, at);
+    const std::size_t end = std::min(s.offset + s.size, at + size);
+    if (begin < end) f(p, begin - s.offset, begin - at, end - begin);
+  }
+}
+
+}  // namespace detail
 }  // namespace gradaccum

@@ -153,14 +153,11 @@ struct shard_access {
   template <class B>
   static void pieces_in(const flat_layout<B>& layout, const std::vector<std::uint8_t>& present,
                         const shard_range& range, std::vector<shard_piece>& out) {
-    const std::size_t end = range.begin + range.stored;
-    for (std::size_t position = 0; position < layout.size(); ++position) {
-      const flat_segment<B>& s = layout[position];
-      const std::size_t first = std::max(s.offset, range.begin);
-      const std::size_t last = std::min(s.offset + s.size, end);
-      if (present[position] == 0 || first >= last) continue;
-      out.push_back({s.id, position, first - range.begin, first - s.offset, last - first});
-    }
+    std::size_t from = 0;
+    for_each_overlap(layout, from, range.begin, range.stored,
+                     [&](std::size_t position, std::size_t first, std::size_t at, std::size_t count) {
+                       if (present[position] != 0) out.push_back({layout[position].id, position, at, first, count});
+                     });
   }
 };
 

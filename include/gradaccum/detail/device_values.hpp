@@ -42,9 +42,9 @@ class device_values : public values_on_device {
   virtual void divide_all(double first, double second) noexcept = 0;
   /// The values for an MPI library to read and write in place (`B::data`): laid out as the host
   /// window is, so only when they are one buffer, and when the backend says MPI can reach its
-  /// memory; else null. Mutable through a const window, as MPI's send buffer is read only.
+  /// memory; else null.
   /// @throws what `B::data` throws (waiting for the device's queued work)
-  [[nodiscard]] virtual void* data(bool cuda_aware) const = 0;
+  [[nodiscard]] virtual void* data(bool cuda_aware) = 0;
 
   [[nodiscard]] const device_place& place(std::size_t position) const noexcept { return places_[position]; }
 
@@ -97,7 +97,7 @@ class device_values_of final : public device_values {
     B::template divide<W>(buffers_[p.buffer], p.offset, p.size, static_cast<W>(first), static_cast<W>(second));
   }
 
-  /// Completes the adds the backend queued (see `flush_adds` in the file comment).
+  /// Completes the adds the backend queued (`flush_adds`, `<gradaccum/device_buffers.hpp>`).
   void flush_adds() noexcept {
     if constexpr (requires(buffer& b) { B::template flush_adds<W>(b); }) {
       static_assert(noexcept(B::template flush_adds<W>(buffers_.front())), "flush_adds must be noexcept");
@@ -110,9 +110,9 @@ class device_values_of final : public device_values {
       B::template divide<W>(buffers_[d], 0, sizes_[d], static_cast<W>(first), static_cast<W>(second));
   }
 
-  [[nodiscard]] void* data(bool cuda_aware) const override {
+  [[nodiscard]] void* data(bool cuda_aware) override {
     if constexpr (requires(buffer& b) { B::template data<W>(b, cuda_aware); }) {
-      if (buffers_.size() == 1) return B::template data<W>(const_cast<buffer&>(buffers_.front()), cuda_aware);
+      if (buffers_.size() == 1) return B::template data<W>(buffers_.front(), cuda_aware);
     }
     return nullptr;
   }

@@ -369,20 +369,6 @@ void reduce_direct(agreed_window<B>& window, std::size_t bucket, MPI_Comm comm) 
   flat_access::storage(window.gradients)->device->divide_all(window.state.loss_scale, window.state.total_weight);
 }
 
-/// `f(position, first, to, count)` for each segment of `layout` meeting elements [at, at + size)
-/// of the buffer: its elements [first, first + count) are the bucket's [to, to + count).
-/// `position` is where to start looking, kept from one bucket to the next (they ascend).
-template <class B, class F>
-void for_each_overlap(const flat_layout<B>& layout, std::size_t& position, std::size_t at, std::size_t size, F&& f) {
-  while (position < layout.size() && layout[position].offset + layout[position].size <= at) ++position;
-  for (std::size_t p = position; p < layout.size() && layout[p].offset < at + size; ++p) {
-    const flat_segment<B>& s = layout[p];
-    const std::size_t begin = std::max(s.offset, at);
-    const std::size_t end = std::min(s.offset + s.size, at + size);
-    if (begin < end) f(p, begin - s.offset, begin - at, end - begin);
-  }
-}
-
 /// The buckets of a staged window (see `local_window`), through `staging` (one bucket of host
 /// memory): each is read from the sums' devices, summed over `comm` and normalized as `reduce`
 /// does, and written into the result's devices; then one more small collective says whether
