@@ -116,7 +116,10 @@ class allreduce_mean_request;
 /// The agreement happens before this returns, so every error of `allreduce_mean` is thrown here,
 /// by every rank alike; every value collective is started here too (so the caller's own
 /// collectives on `comm`, before or after, keep the same order on every rank). They move on
-/// inside MPI calls: call `test()` now and then while overlapping other work.
+/// inside MPI calls: call `test()` now and then while overlapping other work. Sums on a device
+/// that go to MPI as they are (see `allreduce_mean`) are summed into the result's device buffer
+/// and divided there once the last bucket has arrived; staged through host memory, they are
+/// reduced before this returns (one bucket of host memory, no overlap).
 template <class B>
 [[nodiscard]] allreduce_mean_request<B> start_allreduce_mean(const parameter_set<B>& params,
                                                              accumulated_gradients<B>&& sums, MPI_Comm comm,
@@ -173,7 +176,7 @@ class allreduce_mean_request {
                          std::size_t bucket_bytes, detail::mpi::value_collectives collectives, Reserve&& also_reserve);
 
   /// Normalizes bucket `k`, whose sum has arrived.
-  void normalize_bucket(std::size_t k) noexcept;
+  void bucket_arrived(std::size_t k) noexcept;
   void complete_quietly() noexcept;
 
   detail::mpi::agreed_window<B> window_;
@@ -190,7 +193,9 @@ class allreduce_mean_request {
 ///
 /// Collective, with the agreement, presence rules, errors and strong guarantee of
 /// `allreduce_mean` (every rank must pass the same `how` and `bucket_bytes`; `bucket_bytes` is
-/// used by `shard_reduction::same_as_allreduce` only). The same agreement also ORs whether each
+/// used by `shard_reduction::same_as_allreduce`, and for sums on a device staged through host
+/// memory: pieces of one bucket, each holding every rank's next run of its shard, and the
+/// non-finite check done on the way). The same agreement also ORs whether each
 /// rank's sums hold a NaN or an infinity (`found_non_finite()`, the same on every rank; this
 /// reads every rank's sums once). See `shard_reduction` for when the shard has the bits of
 /// `allreduce_mean`'s range.
@@ -284,7 +289,7 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
           requests_.reserve(elements / bucket_of(sums.state.dtype) + 1);
           completed_.resize(requests_.capacity());
         }
-        if (device_buffers_backend<B> && collectives == value_collectives::allreduce) {
+        if (device_buffers_backend<B>) {
           const std::size_t bytes = std::min(bucket_of(sums.state.dtype), elements) * size_of(sums.state.dtype);
           staging.resize((bytes + sizeof(double) - 1) / sizeof(double));
         }
@@ -295,7 +300,9 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
   taken_ = false;
   try {
     detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
-      if (window_.staged) {
+      if (window_.staged && !(window_.direct && !blocking)) {
+        // Started without MPI reaching the buffers, this reduces at once: overlapping it would
+        // take either every bucket in host memory (a second copy of the window) or a thread.
         const std::size_t count = std::min(bucket_, staging.size() * sizeof(double) / sizeof(W));
         if (window_.direct) {
           detail::mpi::reduce_direct<B, W>(window_, bucket_, comm);
@@ -305,7 +312,7 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
         sums.gradients = {};  // every bucket was read: the sums are taken only now
         return;
       }
-      W* const values = detail::flat_access::storage(window_.gradients)->template data<W>();
+      W* const values = window_.staged ? nullptr : detail::flat_access::storage(window_.gradients)->template data<W>();
       if (blocking) {
         for (std::size_t at = window_.begin; at < window_.end; at += bucket_) {
           detail::mpi::reduce(values, at, std::min(at + bucket_, window_.end), static_cast<W>(window_.state.loss_scale),
@@ -313,15 +320,21 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
         }
         return;
       }
+      // Staged and direct: from the sums' device buffer into the result's (in place for a rank
+      // without sums), divided on the device once the last bucket has arrived.
+      W* const out = window_.staged ? static_cast<W*>(window_.result_data) : values;
+      const auto* const in = static_cast<const W*>(window_.source_data);
       for (std::size_t at = window_.begin; at < window_.end; at += bucket_) {
         const std::size_t count = std::min(bucket_, window_.end - at);
+        const void* const send = in != nullptr ? static_cast<const void*>(in + at) : MPI_IN_PLACE;
         MPI_Request& request = requests_.emplace_back(MPI_REQUEST_NULL);  // reserved: cannot throw
-        detail::mpi::check(MPI_Iallreduce(MPI_IN_PLACE, values + at, static_cast<int>(count),
-                                          detail::mpi::datatype<W>(), MPI_SUM, comm, &request),
+        detail::mpi::check(MPI_Iallreduce(send, out + at, static_cast<int>(count), detail::mpi::datatype<W>(), MPI_SUM,
+                                          comm, &request),
                            "MPI_Iallreduce");
         ++in_flight_;
       }
     });
+    if (window_.staged) sums.gradients = {};  // MPI reads them from the buffer `window_.source` holds
   } catch (...) {
     complete_quietly();  // the buckets already started (only an MPI error gets here)
     throw;
@@ -366,7 +379,7 @@ bool allreduce_mean_request<B>::test() {
   detail::mpi::check(MPI_Testsome(size, requests_.data(), &count, completed_.data(), MPI_STATUSES_IGNORE),
                      "MPI_Testsome");
   if (count == MPI_UNDEFINED) count = 0;
-  for (int k = 0; k < count; ++k) normalize_bucket(static_cast<std::size_t>(completed_[static_cast<std::size_t>(k)]));
+  for (int k = 0; k < count; ++k) bucket_arrived(static_cast<std::size_t>(completed_[static_cast<std::size_t>(k)]));
   return in_flight_ == 0;
 }
 
@@ -379,14 +392,21 @@ accumulated_gradients<B> allreduce_mean_request<B>::wait() {
     if (requests_[k] == MPI_REQUEST_NULL) continue;  // completed in test()
     // NOLINTNEXTLINE(clang-analyzer-optin.mpi.MPI-Checker): see test()
     detail::mpi::check(MPI_Wait(&requests_[k], MPI_STATUS_IGNORE), "MPI_Wait");
-    normalize_bucket(k);
+    bucket_arrived(k);
   }
   taken_ = true;
-  return {detail::mpi::result_of(window_), window_.state};
+  return {std::move(window_.gradients), window_.state};
 }
 
 template <class B>
-void allreduce_mean_request<B>::normalize_bucket(std::size_t k) noexcept {
+void allreduce_mean_request<B>::bucket_arrived(std::size_t k) noexcept {
+  if (window_.staged) {  // direct: the whole result is divided on its device at the end
+    if (--in_flight_ == 0) {
+      detail::flat_access::storage(window_.gradients)
+          ->device->divide_all(window_.state.loss_scale, window_.state.total_weight);
+    }
+    return;
+  }
   detail::visit_work_dtype(window_.state.dtype, [&]<class W>() {
     const std::size_t at = window_.begin + k * bucket_;
     detail::mpi::normalize(detail::flat_access::storage(window_.gradients)->template data<W>() + at,
@@ -430,12 +450,27 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
   std::vector<int> counts;
   std::shared_ptr<detail::flat_storage> shard;
   std::vector<shard_piece> pieces;
+  // A window on devices, staged (see `detail::mpi::local_window`): every rank's range, and per
+  // piece its count and where its reads reached; the pieces go through `staging`, one bucket (at
+  // least one element per rank) of W in doubles.
+  std::vector<shard_range> ranges;
+  std::vector<int> piece_counts;
+  std::vector<std::size_t> hints;
+  std::vector<double> staging;
   const auto reserve = [&](std::size_t elements) {
     range = shard_of(elements, static_cast<std::size_t>(place.rank), ranks);
     detail::mpi::int_count(range.size, "a shard");
     if (how == shard_reduction::reduce_scatter) {
       counts.resize(ranks);
       for (std::size_t r = 0; r < ranks; ++r) counts[r] = static_cast<int>(shard_of(elements, r, ranks).stored);
+      if constexpr (device_buffers_backend<B>) {
+        for (std::size_t r = 0; r < ranks; ++r) ranges.push_back(shard_of(elements, r, ranks));
+        piece_counts.resize(ranks);
+        hints.resize(ranks);
+        const std::size_t element_size = size_of(sums.state.dtype);
+        const std::size_t values = std::max(std::min(detail::mpi::bucket_elements(bucket_bytes, element_size), elements), ranks);
+        staging.resize((values * element_size + sizeof(double) - 1) / sizeof(double));
+      }
     }
     shard = detail::mpi::shard_storage(sums.state.dtype, range.size, params.size(), range.stored);
     pieces.reserve(params.size());  // a segment meets a shard in one run at most
@@ -459,9 +494,21 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
     const bool found_non_finite = request.window_.found_non_finite;
     const std::uint64_t reduction = request.window_.number;
     const accumulated_gradients<B> reduced = request.wait();
+    const detail::flat_storage& all = *detail::flat_access::storage(reduced.gradients);
     detail::visit_work_dtype(reduced.state.dtype, [&]<class W>() {
-      const W* const all = detail::flat_access::storage(reduced.gradients)->template data<W>();
-      std::copy_n(all + range.begin, range.stored, shard->template data<W>());
+      W* const values = shard->template data<W>();
+      if (!all.device) {
+        std::copy_n(all.data<W>() + range.begin, range.stored, values);
+        return;
+      }
+      // The range read from the result's devices (a failure here is this rank's alone).
+      std::fill_n(values, range.stored, W{0});
+      std::size_t hint = 0;
+      detail::for_each_overlap(*detail::flat_access::layout(reduced.gradients), hint, range.begin, range.stored,
+                               [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
+                                 if (all.present[p] != 0)
+                                   all.device->read(p, first, std::as_writable_bytes(std::span<W>(values + to, n)));
+                               });
     });
     return cut(reduced.gradients, reduced.state, found_non_finite, reduction);
   }
@@ -470,9 +517,31 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
       detail::mpi::agree(params, sums, comm, reserve, detail::mpi::value_collectives::reduce_scatter, true, 0);
   const detail::flat_storage& full = *detail::flat_access::storage(window.gradients);
   detail::visit_work_dtype(window.state.dtype, [&]<class W>() {
-    detail::mpi::check(MPI_Reduce_scatter(full.data<W>(), shard->template data<W>(), counts.data(),
-                                          detail::mpi::datatype<W>(), MPI_SUM, comm),
-                       "MPI_Reduce_scatter");
+    if (window.staged && !window.direct) {
+      detail::mpi::reduce_scatter_staged(window, std::span<const shard_range>(ranges), static_cast<std::size_t>(place.rank),
+                                         shard->template data<W>(),
+                                         std::span<W>(reinterpret_cast<W*>(staging.data()), staging.size() * sizeof(double) / sizeof(W)),
+                                         std::span<int>(piece_counts), std::span<std::size_t>(hints), comm);
+    } else {
+      const void* send = full.data<W>();
+      if (window.staged) {
+        // Direct: from the sums' device buffer (or the zeros of a rank without sums). It ends
+        // with the last segment, so the layout's padding after it is not sent: it sums to zero.
+        send = window.source_data != nullptr ? window.source_data : window.result_data;
+        const auto& layout = *detail::flat_access::layout(window.gradients);
+        const std::size_t sent = layout.size() == 0 ? 0 : layout[layout.size() - 1].offset + layout[layout.size() - 1].size;
+        for (std::size_t r = 0; r < ranks; ++r) {
+          const shard_range theirs = ranges[r];
+          counts[r] = static_cast<int>(std::min(theirs.stored, sent - std::min(sent, theirs.begin)));
+        }
+        const auto received = static_cast<std::size_t>(counts[static_cast<std::size_t>(place.rank)]);
+        std::fill(shard->template data<W>() + received, shard->template data<W>() + range.stored, W{0});
+      }
+      detail::mpi::check(MPI_Reduce_scatter(send, shard->template data<W>(), counts.data(),
+                                            detail::mpi::datatype<W>(), MPI_SUM, comm),
+                         "MPI_Reduce_scatter");
+    }
+    if (window.staged) sums.gradients = {};  // every value was read: the sums are taken only now
     detail::mpi::normalize(shard->template data<W>(), range.stored, static_cast<W>(window.state.loss_scale),
                            static_cast<W>(window.state.total_weight));
   });

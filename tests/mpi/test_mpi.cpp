@@ -485,6 +485,13 @@ TEST_CASE("a device window is reduced a bucket at a time, and a device copy fail
   CHECK(B::largest_read <= bucket / sizeof(float));  // no host copy of the window, nor of a segment
   GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(single_process_mean(params, float_dtype::f32)));
 
+  // Started, without MPI reaching the buffers: reduced at once, through the same one bucket.
+  B::largest_read = 0;
+  auto request = gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD, bucket);
+  CHECK(B::largest_read <= bucket / sizeof(float));
+  CHECK(request.test());  // nothing left in flight
+  GRADACCUM_CHECK_SAME_BITS(record_of(request.wait()), record_of(mean));
+
   // Rank 0 (which has sums) fails its fifth device read, after some buckets were reduced.
   auto sums = local_sums(params, float_dtype::f32);
   const auto before = record_of(sums);
@@ -525,6 +532,16 @@ TEST_CASE("device buffers that MPI reaches go to it as they are, when every rank
   const auto direct = reduce();
   CHECK(B::largest_read == 0);  // nothing went through the host
   GRADACCUM_CHECK_SAME_BITS(record_of(direct), expected);
+
+  // Started: every bucket in flight from the sums' buffer into the result's, divided at the end.
+  B::largest_read = 0;
+  auto request =
+      gradaccum::start_allreduce_mean(params, local_sums(params, float_dtype::f64), MPI_COMM_WORLD, bucket_bytes);
+  while (!request.test()) {
+  }
+  const auto started = request.wait();
+  CHECK(B::largest_read == 0);
+  GRADACCUM_CHECK_SAME_BITS(record_of(started), expected);
 
   // One rank whose MPI cannot take its buffers: every rank stages its buckets, with the same bits.
   B::mpi_reaches_buffers = world_rank != 0;

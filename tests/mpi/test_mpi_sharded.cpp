@@ -528,3 +528,60 @@ TEST_CASE_TEMPLATE("the sharded norm and clipping: ranks passing other shards or
   CHECK(gradaccum::global_norm(mine, MPI_COMM_WORLD) == norm);
   check_ranks_still_agree(params);
 }
+
+TEST_CASE("a device window is reduce-scattered through one bucket of host memory at a time, or none") {
+  INFO("rank " << world_rank << " of " << world_size);
+  using B = gradaccum::test::device_backend;
+  const auto params = parameters<B>();
+  constexpr std::size_t bucket = 4096;  // 1,024 F32 values: the 20,560-element window in many pieces
+  const auto reduce = [&](gradaccum::accumulated_gradients<B>&& sums) {
+    return gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD,
+                                          gradaccum::shard_reduction::reduce_scatter, bucket);
+  };
+  const auto full = gradaccum::allreduce_mean(params, local_sums(params, float_dtype::f32), MPI_COMM_WORLD);
+
+  // Staged: each piece holds every rank's next run of its shard (1,024 / ranks values each).
+  B::largest_read = 0;
+  const auto staged = reduce(local_sums(params, float_dtype::f32));
+  CHECK(B::largest_read <= bucket / sizeof(float) / static_cast<std::size_t>(world_size));
+  CHECK(shard_matches<float>(staged, full));  // sums exact in any order: the allreduce's bits
+  CHECK(staged.state() == full.state);
+  for (std::size_t position = 0; position < params.size(); ++position) {
+    CHECK(staged.is_present(position) == full.gradients.is_present(position));
+  }
+
+  // Sums that round: on 1 and 2 ranks, the pieces give the whole buffer's bits.
+  const auto whole = gradaccum::reduce_scatter_mean(params, rounding_sums<B, float>(params), MPI_COMM_WORLD);
+  const auto in_pieces = reduce(rounding_sums<B, float>(params));
+  if (world_size <= 2) CHECK(std::ranges::equal(in_pieces.values<float>(), whole.values<float>()));
+
+  // MPI reaching every rank's buffers: one reduce-scatter from them; only the non-finite check
+  // reads the sums through the host, in pieces.
+  B::mpi_reaches_buffers = true;
+  B::largest_read = 0;
+  const auto direct = reduce(local_sums(params, float_dtype::f32));
+  CHECK(B::largest_read <= gradaccum::detail::staged_elements);
+  CHECK(shard_matches<float>(direct, full));
+  B::mpi_reaches_buffers = false;
+
+  // Rank 0 (which has sums) fails its third device read: every rank throws, nothing is taken.
+  auto sums = local_sums(params, float_dtype::f32);
+  const auto before = record_of(sums);
+  if (world_rank == 0) B::reads_until_failure = 3;
+  try {
+    (void)reduce(std::move(sums));
+    FAIL_CHECK("the reduction succeeded");
+  } catch (const std::runtime_error& e) {
+    const auto* library_error = dynamic_cast<const gradaccum::error*>(&e);
+    if (world_rank == 0) {
+      CHECK(library_error == nullptr);  // its own error: the backend's
+    } else {
+      REQUIRE(library_error != nullptr);
+      CHECK(library_error->code() == errc::invalid_state);
+      CHECK(std::string(e.what()).find("rank 0 failed to copy its window") != std::string::npos);
+    }
+  }
+  B::reads_until_failure = 0;
+  GRADACCUM_CHECK_SAME_BITS(record_of(sums), before);  // not taken, not changed
+  CHECK(shard_matches<float>(reduce(std::move(sums)), full));
+}

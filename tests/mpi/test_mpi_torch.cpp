@@ -10,6 +10,9 @@
 // Before doctest: c10 defines a CHECK macro, which doctest's must replace.
 #include <gradaccum/backends/torch.hpp>
 
+#include <algorithm>
+#include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -78,6 +81,30 @@ TEST_CASE_TEMPLATE("allreduce_mean of torch gradients equals one process accumul
   CHECK(same);
   CHECK(w_values.numel() == 12);
   CHECK((named["b"].grad().scalar_type() == at::kBFloat16));
+
+  // Started: the buckets in flight from the sums' tensor into the result's, divided at the end.
+  gradaccum::weighted_gradients_accumulator<B> again(gradaccum::dtype_of<W>, 8.0);
+  again.accumulate_mean(params, microbatch_of(world_rank), tokens_of(world_rank));
+  auto request = gradaccum::start_allreduce_mean(params, again.finish_sums(), MPI_COMM_WORLD, 16);
+  while (!request.test()) {
+  }
+  GRADACCUM_CHECK_SAME_BITS(request.wait().gradients.to_record(), expected.gradients.to_record());
+
+  // Sharded: one reduce-scatter from the sums' tensor (which ends before the layout's padding).
+  again.accumulate_mean(params, microbatch_of(world_rank), tokens_of(world_rank));
+  const auto shard = gradaccum::reduce_scatter_mean(params, again.finish_sums(), MPI_COMM_WORLD);
+  std::vector<W> flat(mean.gradients.layout()->elements(), W(0));  // the window's buffer
+  for (const auto& e : mean.gradients) {
+    const at::Tensor values = mean.gradients.template get<W>(e.id)->contiguous();
+    std::copy_n(values.data_ptr<W>(), values.numel(), flat.begin() + static_cast<std::ptrdiff_t>(e.offset));
+  }
+  const std::span<const W> ours = shard.template values<W>();
+  bool shard_same = ours.size() == shard.range().size;
+  for (std::size_t i = 0; shard_same && i < ours.size(); ++i) {
+    const W want = i < shard.range().stored ? flat[shard.range().begin + i] : W(0);
+    shard_same = std::memcmp(&ours[i], &want, sizeof(W)) == 0;
+  }
+  CHECK(shard_same);
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
 #pragma once
 /// @file
 /// @brief The implementation of `<gradaccum/mpi.hpp>`: the window buffer the values are reduced
-/// in (host memory, or a device window staged or handed to MPI as it is), the agreement step
-/// over it (`mpi/agreement.hpp`), and the bucketed collectives. Include `<gradaccum/mpi.hpp>`.
+/// in (host memory, or a device window staged a bucket at a time or handed to MPI as it is), the
+/// agreement step over it (`mpi/agreement.hpp`), and the bucketed collectives. Include
+/// `<gradaccum/mpi.hpp>`.
 
 #include <algorithm>
 #include <atomic>
@@ -33,6 +34,7 @@
 #include "gradaccum/mpi/agreement.hpp"
 #include "gradaccum/parameter_set.hpp"
 #include "gradaccum/records.hpp"
+#include "gradaccum/sharded_gradients.hpp"
 #include "gradaccum/weighted_gradients_accumulator.hpp"
 
 namespace gradaccum::detail::mpi {
@@ -106,11 +108,10 @@ void normalize(W* x, std::size_t count, W s, W w) noexcept {
 /// global state.
 template <class B>
 struct agreed_window {
-  flat_gradients<B> gradients;           // host memory, for MPI; or, staged, the result on the devices
-  std::shared_ptr<flat_storage> device;  // a device window's buffers, which the result goes back to
-  /// Staged (a device window's blocking allreduce): the sums on their devices, read a bucket at
-  /// a time, and the result written into `gradients` a bucket at a time. Null otherwise, and for
-  /// a rank without sums (it contributes zeros).
+  flat_gradients<B> gradients;  // host memory, for MPI; or, staged, zeros on the devices (the result)
+  /// Staged (a device window): the sums on their devices, read a bucket at a time, and the result
+  /// written into `gradients` a bucket at a time. Null otherwise, and for a rank without sums (it
+  /// contributes zeros).
   std::shared_ptr<const flat_storage> source;
   bool staged = false;
   bool direct = false;                // staged, and every rank's buffers go to MPI as they are
@@ -119,6 +120,7 @@ struct agreed_window {
   weighted_accumulation_state state;
   std::size_t begin = 0;  // elements [begin, end) hold every present segment: the ones reduced
   std::size_t end = 0;
+  bool check_non_finite = false;  // whether `found_non_finite` is wanted
   bool found_non_finite = false;  // some rank's sums held a NaN or an infinity (when checked)
   std::uint64_t number = 0;       // the reduction's number (`last_reduction`)
 };
@@ -138,17 +140,16 @@ inline void note_reduction(std::uint64_t number) noexcept {
 /// This rank's buffer for the reduction, found or made before the agreement so that nothing
 /// after it can fail: the sums' own when laid out for `params`, else their values copied into a
 /// buffer laid out for it (checked by id and shape), or zeros when there are none. A window on
-/// devices is either `staged` (the blocking `allreduce_mean`: its sums stay where they are, read
-/// a bucket at a time, and the result goes into new device buffers, so that a failed device copy
-/// midway leaves the sums as they were) or copied into host memory (the started reduction, whose
-/// buckets are all in flight at once, and the reduce-scatter, which takes the whole buffer). A
-/// staged window is `direct` when MPI can take its buffers as they are (`device_values::data`: one
-/// device, and memory the MPI library reaches): if every rank's is, no value crosses to the host.
+/// devices is `staged`: its sums stay where they are, read a bucket at a time through host memory,
+/// and a full result goes into new device buffers (zeros until then), so that a failed device
+/// copy midway leaves the sums as they were and no second copy of the window is made in host
+/// memory. A staged window is `direct` when MPI can take its buffers as they are
+/// (`device_values::data`: one device, and memory the MPI library reaches): if every rank's is, no
+/// value crosses to the host.
 template <class B>
 struct local_window {
   std::shared_ptr<const flat_layout<B>> layout;
-  std::shared_ptr<flat_storage> storage;       // host memory; staged, the result on the devices
-  std::shared_ptr<flat_storage> device;        // for a window on devices: where the result goes back
+  std::shared_ptr<flat_storage> storage;       // host memory; staged, zeros on the devices
   std::shared_ptr<const flat_storage> source;  // staged: the sums on their devices (or null: zeros)
   bool staged = false;
   bool direct = false;
@@ -156,9 +157,7 @@ struct local_window {
   const void* source_data = nullptr;
   std::vector<std::uint64_t> present;  // one bit per parameter position, for the presence exchange
 
-  /// `whole_result`: the caller returns the whole result (not a shard), so a window on devices
-  /// goes back to them. `stage`: a window on devices is staged (see the struct comment).
-  local_window(const parameter_set<B>& params, const accumulated_gradients<B>& sums, bool whole_result, bool stage) {
+  local_window(const parameter_set<B>& params, const accumulated_gradients<B>& sums) {
     validate(sums.state);
     const flat_gradients<B>& g = sums.gradients;
     if (sums.state.total_weight == 0.0 && !g.empty()) {
@@ -173,7 +172,7 @@ struct local_window {
     layout =
         own_layout && own_layout->laid_out_for(params) ? own_layout : std::make_shared<const flat_layout<B>>(params);
     const bool fits = own_storage && layout == own_layout && own_storage->dtype == sums.state.dtype;
-    staged = device_buffers_backend<B> && stage;
+    staged = device_buffers_backend<B>;
     if (staged) {
       if (fits) {
         source = own_storage;
@@ -191,16 +190,11 @@ struct local_window {
       result_data = storage->device->data(cuda_aware);
       source_data = source ? source->device->data(cuda_aware) : nullptr;
       direct = result_data != nullptr && (!source || source_data != nullptr);
-    } else if (fits && !own_storage->device) {
+    } else if (fits) {
       storage = own_storage;
     } else {
-      // A window on devices is reduced through a copy in host memory, and its result goes back
-      // into its own buffers (or new ones, laid out for `params`), allocated here, before the agreement.
       storage = flat_storage::allocate(sums.state.dtype, layout->elements(), layout->size());
       for (const auto& e : g) copy_into_layout(e, g, *storage);
-      if constexpr (device_buffers_backend<B>) {
-        if (whole_result) device = fits ? own_storage : allocate_storage(*layout, sums.state.dtype);
-      }
     }
     present.resize((layout->size() + 63) / 64);
   }
@@ -210,12 +204,24 @@ struct local_window {
   void take(accumulated_gradients<B>& sums, agreed_window<B>& window) noexcept {
     if (!staged) sums.gradients = {};
     window.gradients = flat_access::make(std::move(layout), std::move(storage));
-    window.device = std::move(device);
     window.source = std::move(source);
     window.staged = staged;
     window.direct = direct;
     window.result_data = result_data;
     window.source_data = source_data;
+  }
+
+  /// Whether the sums hold only finite values (read through host pieces on a device).
+  [[nodiscard]] bool finite() const {
+    const flat_storage* const sums = staged ? source.get() : storage.get();
+    if (sums == nullptr) return true;
+    bool all = true;
+    for (std::size_t position = 0; position < layout->size() && all; ++position) {
+      if (sums->present[position] == 0) continue;
+      for_each_piece(*sums, position, (*layout)[position].offset, (*layout)[position].size,
+                     [&](auto values) { all = all && kernels::all_finite(values.data(), values.size()); });
+    }
+    return all;
   }
 
  private:
@@ -257,11 +263,12 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   std::unique_ptr<local_window<B>> local;
   std::exception_ptr local_failure;
   errc local_code = errc::invalid_state;
+  bool finite = true;
   try {
-    const bool whole_result =
-        collectives == value_collectives::allreduce || collectives == value_collectives::started_allreduce;
-    local = std::make_unique<local_window<B>>(params, sums, whole_result, collectives == value_collectives::allreduce);
+    local = std::make_unique<local_window<B>>(params, sums);
     reserve(local->layout->elements());
+    // A staged window's sums are checked as its buckets are read (see `staged_copies`).
+    if (check_non_finite && (!local->staged || local->direct)) finite = local->finite();
   } catch (const error& e) {
     local_failure = std::current_exception();
     local_code = e.code();
@@ -281,12 +288,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   agreed.total_weight = sums.state.total_weight;
   agreed.microbatches = sums.state.microbatches;
   agreed.direct = word_range::of(local && local->direct ? 1 : 0);
-  if (check_non_finite && local) {
-    const flat_storage& own = *local->storage;
-    const bool finite = own.dtype == float_dtype::f64 ? kernels::all_finite(own.data<double>(), own.elements)
-                                                      : kernels::all_finite(own.data<float>(), own.elements);
-    agreed.non_finite = finite ? 0 : 1;
-  }
+  agreed.non_finite = finite ? 0 : 1;
   agree_on(agreed, rank, local_failure, local_code, comm);
 
   // 3. Presence: one bit per parameter position, OR-ed over the ranks. When every rank has a
@@ -311,6 +313,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   //    the last (the zeros between cost less than splitting the collectives).
   agreed_window<B> window;
   window.state = {sums.state.dtype, sums.state.loss_scale, agreed.total_weight, agreed.microbatches};
+  window.check_non_finite = check_non_finite;
   window.found_non_finite = agreed.non_finite != 0;
   window.number = agreed.window.max + 1;
   note_reduction(window.number);
@@ -326,24 +329,6 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   local->take(sums, window);
   window.direct = agreed.direct.min() == 1;
   return window;
-}
-
-/// The reduced window as its backend holds it: the host buffer, or for a window on devices its
-/// values copied back into the device buffers (a failure there, after the collectives, is this
-/// rank's alone).
-template <class B>
-flat_gradients<B> result_of(agreed_window<B>& window) {
-  if (!window.device) return std::move(window.gradients);
-  const flat_layout<B>& layout = *flat_access::layout(window.gradients);
-  const flat_storage& host = *flat_access::storage(window.gradients);
-  flat_storage& device = *window.device;
-  for (std::size_t position = 0; position < layout.size(); ++position) {
-    if (host.present[position] == 0) continue;
-    copy_segment(host, position, layout[position].offset, device, position, 0, layout[position].size);
-  }
-  device.present = host.present;  // same length: no allocation
-  device.present_count = host.present_count;
-  return flat_access::make(flat_access::layout(window.gradients), std::move(window.device));
 }
 
 /// Sums [begin, end) of `values`, at most one bucket, over `comm` in place and normalizes it.
@@ -369,69 +354,130 @@ void reduce_direct(agreed_window<B>& window, std::size_t bucket, MPI_Comm comm) 
   flat_access::storage(window.gradients)->device->divide_all(window.state.loss_scale, window.state.total_weight);
 }
 
+/// The device copies of a staged reduction: the first one that fails ends this rank's copies
+/// (it then contributes zeros, so no peer waits in a collective), and `agree` after the last
+/// collective makes every rank throw: the rank that failed first its own error, every other its
+/// code. The sums were only read, so they are as they were on every rank. The sums read can be
+/// checked for a NaN or an infinity on the way (`check`), and `agree` ORs the answers too.
+class staged_copies {
+ public:
+  template <class W>
+  void check(std::span<const W> values) noexcept {
+    finite_ = finite_ && kernels::all_finite(values.data(), values.size());
+  }
+
+  /// `copy()`, unless an earlier one failed; returns whether every copy so far succeeded.
+  template <class Copy>
+  bool run(Copy&& copy) noexcept {
+    if (failure_) return false;
+    try {
+      copy();
+      return true;
+    } catch (const error& e) {
+      code_ = e.code();
+      failure_ = std::current_exception();
+    } catch (...) {
+      failure_ = std::current_exception();
+    }
+    return false;
+  }
+
+  /// One small collective: whether every rank's copies succeeded (throws on every rank if not)
+  /// and every value `check`ed on every rank was finite (returned).
+  [[nodiscard]] bool agree(MPI_Comm comm) const {
+    int rank = 0;
+    mpi::check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+    std::uint64_t agreed[2] = {failure_ ? static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(code_)
+                                        : no_failure,
+                               finite_ ? 1U : 0U};
+    mpi::check(MPI_Allreduce(MPI_IN_PLACE, agreed, 2, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+    const std::uint64_t first_failure = agreed[0];
+    if (first_failure == no_failure) return agreed[1] == 1;
+    if (failure_ && first_failure >> 8 == static_cast<std::uint64_t>(rank)) std::rethrow_exception(failure_);
+    const auto failed_code = static_cast<errc>(first_failure & 0xffU);
+    fail(failed_code, "rank " + std::to_string(first_failure >> 8) +
+                          " failed to copy its window between host and device (" +
+                          make_error_code(failed_code).message() + "); the sums were not taken.");
+  }
+
+ private:
+  std::exception_ptr failure_;
+  errc code_ = errc::invalid_state;
+  bool finite_ = true;
+};
+
+/// Reads elements [at, at + out.size()) of a staged window's sums into `out` (zeros where no
+/// segment is present, or for a rank without sums); `hint` as `for_each_overlap`'s.
+template <class B, class W>
+void read_staged(const agreed_window<B>& window, std::size_t& hint, std::size_t at, std::span<W> out) {
+  std::fill(out.begin(), out.end(), W{0});
+  const flat_storage* const source = window.source.get();
+  if (source == nullptr) return;
+  for_each_overlap(*flat_access::layout(window.gradients), hint, at, out.size(),
+                   [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
+                     if (source->present[p] != 0) source->device->read(p, first, std::as_writable_bytes(out.subspan(to, n)));
+                   });
+}
+
 /// The buckets of a staged window (see `local_window`), through `staging` (one bucket of host
 /// memory): each is read from the sums' devices, summed over `comm` and normalized as `reduce`
-/// does, and written into the result's devices; then one more small collective says whether
-/// every rank's copies succeeded. A failed copy ends this rank's copies (it contributes zeros to
-/// the remaining buckets, so no peer waits), and every rank then throws: the one that failed
-/// first its own error, every other its code. The sums were only read, so they are as they were.
+/// does, and written into the result's devices; then `staged_copies::agree`.
 template <class B, class W>
 void reduce_staged(agreed_window<B>& window, std::span<W> staging, MPI_Comm comm) {
   const flat_layout<B>& layout = *flat_access::layout(window.gradients);
   flat_storage& result = *flat_access::storage(window.gradients);
-  const flat_storage* const source = window.source.get();
-  std::exception_ptr failure;
-  errc code = errc::invalid_state;
-  const auto note_failure = [&] {
-    failure = std::current_exception();
-    try {
-      throw;
-    } catch (const error& e) {
-      code = e.code();
-    } catch (...) {
-    }
-  };
+  staged_copies copies;
   std::size_t read_from = 0;
   std::size_t write_from = 0;
   for (std::size_t at = window.begin; at < window.end; at += staging.size()) {
     const std::span<W> bucket = staging.first(std::min(staging.size(), window.end - at));
-    std::fill(bucket.begin(), bucket.end(), W{0});
-    if (source != nullptr && !failure) {
-      try {
-        for_each_overlap(layout, read_from, at, bucket.size(),
-                         [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
-                           if (source->present[p] != 0)
-                             source->device->read(p, first, std::as_writable_bytes(bucket.subspan(to, n)));
-                         });
-      } catch (...) {
-        note_failure();
-        std::fill(bucket.begin(), bucket.end(), W{0});
-      }
-    }
+    if (!copies.run([&] { read_staged(window, read_from, at, bucket); })) std::fill(bucket.begin(), bucket.end(), W{0});
+    if (window.check_non_finite) copies.check(std::span<const W>(bucket));
     reduce(bucket.data(), 0, bucket.size(), static_cast<W>(window.state.loss_scale),
            static_cast<W>(window.state.total_weight), comm);
-    if (failure) continue;
-    try {
+    copies.run([&] {
       for_each_overlap(layout, write_from, at, bucket.size(),
                        [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
                          if (result.present[p] != 0)
                            result.device->write(p, first, std::as_bytes(bucket.subspan(to, n)));
                        });
-    } catch (...) {
-      note_failure();
-    }
+    });
   }
-  int rank = 0;
-  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
-  std::uint64_t first_failure =
-      failure ? static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(code) : no_failure;
-  check(MPI_Allreduce(MPI_IN_PLACE, &first_failure, 1, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
-  if (first_failure == no_failure) return;
-  if (failure && first_failure >> 8 == static_cast<std::uint64_t>(rank)) std::rethrow_exception(failure);
-  const auto failed_code = static_cast<errc>(first_failure & 0xffU);
-  fail(failed_code, "rank " + std::to_string(first_failure >> 8) +
-                        " failed to copy its window between host and device (" +
-                        make_error_code(failed_code).message() + "); the sums were not taken.");
+  window.found_non_finite = !copies.agree(comm) || window.found_non_finite;
+}
+
+/// `MPI_Reduce_scatter` of a staged window into `shard` (this rank's `ranges[rank]`, unnormalized)
+/// through `staging`, in pieces: piece k holds the k-th run of `staging.size() / ranks` elements of
+/// every rank's shard, one after another, and one `MPI_Reduce_scatter` with `counts` (room for one
+/// per rank) gives each rank the sums of its run. `staging` holds at least one element per rank;
+/// `hints` has one `for_each_overlap` hint per rank. Then `staged_copies::agree`, which also
+/// says whether some rank's sums held a NaN or an infinity (every value is read by its rank).
+template <class B, class W>
+void reduce_scatter_staged(agreed_window<B>& window, std::span<const shard_range> ranges, std::size_t rank,
+                           W* shard, std::span<W> staging, std::span<int> counts, std::span<std::size_t> hints,
+                           MPI_Comm comm) {
+  const std::size_t run = std::max<std::size_t>(staging.size() / ranges.size(), 1);
+  std::size_t longest = 0;
+  for (const shard_range& r : ranges) longest = std::max(longest, r.stored);
+  staged_copies copies;
+  for (std::size_t k = 0; k * run < longest; ++k) {
+    std::size_t to = 0;
+    for (std::size_t r = 0; r < ranges.size(); ++r) {
+      const std::size_t first = std::min(k * run, ranges[r].stored);
+      const std::size_t count = std::min(run, ranges[r].stored - first);
+      const std::span<W> part = staging.subspan(to, count);
+      if (!copies.run([&] { read_staged(window, hints[r], ranges[r].begin + first, part); })) {
+        std::fill(part.begin(), part.end(), W{0});
+      }
+      copies.check(std::span<const W>(part));
+      counts[r] = static_cast<int>(count);
+      to += count;
+    }
+    check(MPI_Reduce_scatter(staging.data(), shard + std::min(k * run, ranges[rank].stored), counts.data(),
+                             datatype<W>(), MPI_SUM, comm),
+          "MPI_Reduce_scatter");
+  }
+  window.found_non_finite = !copies.agree(comm) || window.found_non_finite;
 }
 
 }  // namespace gradaccum::detail::mpi
