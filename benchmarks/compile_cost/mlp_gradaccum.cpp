@@ -2,6 +2,7 @@
 // a parameter_set, each microbatch's gradients in a gradients_params, a token-weighted window
 // (accumulate_mean, or accumulate_sum for gradients of a loss sum), finish_mean,
 // clip_by_global_norm and a dynamic_loss_scale. mlp_by_hand.cpp is the same loop without it.
+// With -DEXTERN_TEMPLATES it declares the window compiled elsewhere (<gradaccum/extern_templates.hpp>).
 #include <gradaccum/backends/eigen.hpp>
 #include <gradaccum/gradaccum.hpp>
 
@@ -9,6 +10,10 @@
 #include <iostream>
 
 #include "mlp_model.hpp"
+
+#ifdef EXTERN_TEMPLATES  // target (a-ext): the window compiled once, in another file of the program
+GRADACCUM_EXTERN_TEMPLATES(gradaccum::eigen_backend)
+#endif
 
 int main() {
   using B = gradaccum::eigen_backend;

@@ -7,6 +7,7 @@
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/dynamic_loss_scale.hpp"
 #include "gradaccum/error.hpp"
+#include "gradaccum/extern_templates.hpp"
 #include "gradaccum/global_norm.hpp"
 #include "gradaccum/gradient_buffer.hpp"
 #include "gradaccum/gradients_accumulator.hpp"

@@ -70,15 +70,11 @@ class weighted_gradients_accumulator {
   /// A zero-weight microbatch is validated and counted but adds nothing.
   /// @throws error(errc::invalid_weight), error(errc::counter_overflow),
   /// error(errc::unknown_parameters), error(errc::parameter_mismatch); nothing changes.
-  void accumulate_sum(const parameter_set<B>& params, const gradients_params<B>& grads, double weight) {
-    accumulate(params, grads, weight, 1.0);
-  }
+  void accumulate_sum(const parameter_set<B>& params, const gradients_params<B>& grads, double weight);
 
   /// @brief Adds gradients of a MEAN loss over `weight` tokens/samples: they are multiplied by
   /// `weight` after conversion to the work dtype. Same rules as `accumulate_sum`.
-  void accumulate_mean(const parameter_set<B>& params, const gradients_params<B>& grads, double weight) {
-    accumulate(params, grads, weight, weight);
-  }
+  void accumulate_mean(const parameter_set<B>& params, const gradients_params<B>& grads, double weight);
 
   /// @brief `accumulate_sum` of a `gradient_buffer` laid out for `params`: the backward pass
   /// wrote into it, and the whole microbatch adds in one pass (see `<gradaccum/gradient_buffer.hpp>`).
@@ -104,16 +100,7 @@ class weighted_gradients_accumulator {
   /// @brief Returns `(pending / loss_scale) / total_weight` with the window's state, and resets.
   /// @throws error(errc::empty_weight) when the total weight is zero (nothing is cleared), and
   /// the errors of `validate_for` when the pending ids do not fit `params`.
-  [[nodiscard]] accumulated_gradients<B> finish_mean(const parameter_set<B>& params) {
-    if (!(state_.total_weight > 0.0)) {
-      detail::fail(errc::empty_weight, "cannot normalize an accumulation window whose total weight is zero.");
-    }
-    accumulator_.check_pending_for(params);
-    accumulator_.divide_pending(state_.loss_scale, state_.total_weight);
-    accumulated_gradients<B> result{accumulator_.grads(), state_};
-    reset_counters();
-    return result;
-  }
+  [[nodiscard]] accumulated_gradients<B> finish_mean(const parameter_set<B>& params);
 
   /// @brief The window's state; inspecting it never clears anything.
   [[nodiscard]] const weighted_accumulation_state& state() const noexcept { return state_; }
@@ -123,7 +110,7 @@ class weighted_gradients_accumulator {
 
   /// @brief Ids whose pending values hold a NaN or an infinity, sorted; changes nothing.
   /// Pair it with a loss scaler: a non-empty result means the window overflowed.
-  [[nodiscard]] std::vector<std::string> non_finite() const { return accumulator_.non_finite(); }
+  [[nodiscard]] std::vector<std::string> non_finite() const;
 
   /// @brief Snapshot of pending values and state; nothing is reset.
   [[nodiscard]] weighted_gradients_record try_to_record() const { return {accumulator_.try_to_record(), state_}; }
@@ -297,5 +284,37 @@ class weighted_gradients_accumulator {
   gradients_accumulator<B> accumulator_;
   weighted_accumulation_state state_;
 };
+
+// The calls of a training loop are defined out of the class, so that a program can compile them
+// once (`GRADACCUM_EXTERN_TEMPLATES`, <gradaccum/extern_templates.hpp>).
+
+template <class B>
+void weighted_gradients_accumulator<B>::accumulate_sum(const parameter_set<B>& params,
+                                                       const gradients_params<B>& grads, double weight) {
+  accumulate(params, grads, weight, 1.0);
+}
+
+template <class B>
+void weighted_gradients_accumulator<B>::accumulate_mean(const parameter_set<B>& params,
+                                                        const gradients_params<B>& grads, double weight) {
+  accumulate(params, grads, weight, weight);
+}
+
+template <class B>
+accumulated_gradients<B> weighted_gradients_accumulator<B>::finish_mean(const parameter_set<B>& params) {
+  if (!(state_.total_weight > 0.0)) {
+    detail::fail(errc::empty_weight, "cannot normalize an accumulation window whose total weight is zero.");
+  }
+  accumulator_.check_pending_for(params);
+  accumulator_.divide_pending(state_.loss_scale, state_.total_weight);
+  accumulated_gradients<B> result{accumulator_.grads(), state_};
+  reset_counters();
+  return result;
+}
+
+template <class B>
+std::vector<std::string> weighted_gradients_accumulator<B>::non_finite() const {
+  return accumulator_.non_finite();
+}
 
 }  // namespace gradaccum

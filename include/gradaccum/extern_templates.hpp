@@ -1,0 +1,73 @@
+#pragma once
+/// @file
+/// @brief Compiling a backend's accumulation window once per program instead of once per file.
+///
+/// Header-only code is compiled in every file that uses it. A training loop's window
+/// (`weighted_gradients_accumulator<B>`: accumulate, finish, `non_finite`) and the global norm
+/// and clipping of its result are most of what gradaccum costs the compiler there, and none of
+/// it depends on the caller's code. These macros move it into one file, as C++'s explicit
+/// instantiation does (`extern template`):
+///
+/// @code
+/// // In every file that uses the window, after its includes (a project header is a good place):
+/// #include <gradaccum/backends/eigen.hpp>
+/// #include <gradaccum/gradaccum.hpp>
+/// GRADACCUM_EXTERN_TEMPLATES(gradaccum::eigen_backend)
+///
+/// // In exactly one file of the program, naming every backend declared extern:
+/// #include <gradaccum/backends/eigen.hpp>
+/// #include <gradaccum/gradaccum.hpp>
+/// GRADACCUM_INSTANTIATE_TEMPLATES(gradaccum::eigen_backend)
+/// @endcode
+///
+/// Any backend works, including your own, and a program may do this for up to four. Nothing else
+/// changes: same calls, same bits, same errors. Without the macros everything stays header-only.
+/// `benchmarks/compile-cost` measures what it saves (docs/performance.md).
+
+#include <cstddef>
+#include <span>
+
+#include "gradaccum/global_norm.hpp"
+#include "gradaccum/kernels.hpp"
+#include "gradaccum/weighted_gradients_accumulator.hpp"
+
+/// The declarations shared by both macros, `prefix` being `extern template` or `template`: backend
+/// `B`'s window, norm and clipping, and the library's add kernels of F32 and F64 gradients
+/// (which host backends call; they depend on no backend, so they are compiled once for all).
+#define GRADACCUM_DETAIL_TEMPLATES(prefix, B)                                                                \
+  prefix class ::gradaccum::weighted_gradients_accumulator<B>;                                              \
+  prefix double ::gradaccum::global_norm<B>(const ::gradaccum::flat_gradients<B>&) noexcept(                \
+      !::gradaccum::device_buffers_backend<B>);                                                              \
+  prefix double ::gradaccum::global_norm<B>(const ::gradaccum::accumulated_gradients<B>&) noexcept(         \
+      !::gradaccum::device_buffers_backend<B>);                                                              \
+  prefix double ::gradaccum::clip_by_global_norm<B>(::gradaccum::flat_gradients<B>&, double);                \
+  prefix double ::gradaccum::clip_by_global_norm<B>(::gradaccum::accumulated_gradients<B>&, double);
+#define GRADACCUM_DETAIL_KERNELS_OF(prefix, W, T)                                                            \
+  prefix void ::gradaccum::kernels::add_scaled<W, T>(W*, const T*, std::size_t, W) noexcept;                \
+  prefix void ::gradaccum::kernels::add_scaled_strided<W, T>(W*, const T*, std::span<const std::size_t>,      \
+                                                             std::span<const std::ptrdiff_t>, W) noexcept;
+#define GRADACCUM_DETAIL_KERNELS(prefix)                                                                     \
+  GRADACCUM_DETAIL_KERNELS_OF(prefix, float, float)                                                          \
+  GRADACCUM_DETAIL_KERNELS_OF(prefix, float, double)                                                         \
+  GRADACCUM_DETAIL_KERNELS_OF(prefix, double, float)                                                         \
+  GRADACCUM_DETAIL_KERNELS_OF(prefix, double, double)
+#define GRADACCUM_DETAIL_INSTANTIATE_ONE(B) GRADACCUM_DETAIL_TEMPLATES(template, B)
+#define GRADACCUM_DETAIL_PICK(b1, b2, b3, b4, each, ...) each
+#define GRADACCUM_DETAIL_EACH1(X, b1) X(b1)
+#define GRADACCUM_DETAIL_EACH2(X, b1, b2) X(b1) X(b2)
+#define GRADACCUM_DETAIL_EACH3(X, b1, b2, b3) X(b1) X(b2) X(b3)
+#define GRADACCUM_DETAIL_EACH4(X, b1, b2, b3, b4) X(b1) X(b2) X(b3) X(b4)
+
+/// @brief In every file that uses backend `B`'s window: its code is compiled elsewhere (by
+/// `GRADACCUM_INSTANTIATE_TEMPLATES`), not here. At namespace scope, after the includes; once
+/// per backend.
+#define GRADACCUM_EXTERN_TEMPLATES(B) GRADACCUM_DETAIL_KERNELS(extern template) GRADACCUM_DETAIL_TEMPLATES(extern template, B)
+
+/// @brief In one file of the program, which does not use `GRADACCUM_EXTERN_TEMPLATES`: compiles
+/// the windows of the backends named (one to four, every backend the program declares extern)
+/// and the kernels they share. At namespace scope, after the includes.
+#define GRADACCUM_INSTANTIATE_TEMPLATES(...)                                                                 \
+  GRADACCUM_DETAIL_KERNELS(template)                                                                         \
+  GRADACCUM_DETAIL_PICK(__VA_ARGS__, GRADACCUM_DETAIL_EACH4, GRADACCUM_DETAIL_EACH3, GRADACCUM_DETAIL_EACH2, \
+                        GRADACCUM_DETAIL_EACH1, unused)                                                      \
+  (GRADACCUM_DETAIL_INSTANTIATE_ONE, __VA_ARGS__)
