@@ -33,8 +33,8 @@ TEST_CASE_TEMPLATE("a window compiled in another file: accumulate, finish, norm 
   gradaccum::parameter_set<B> params;
   params.add("w", gradaccum::tensor_shape{2, 2}, {});
   gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, 2.0);
-  for (const auto& [values, tokens] : {std::pair{std::vector<float>{1, 2, 3, 4}, 3.0},
-                                       std::pair{std::vector<float>{5, 6, 7, 8}, 1.0}}) {
+  for (const auto& [values, tokens] :
+       {std::pair{std::vector<float>{1, 2, 3, 4}, 3.0}, std::pair{std::vector<float>{5, 6, 7, 8}, 1.0}}) {
     gradaccum::gradients_params<B> grads;
     grads.insert("w", tensor_of<B>(values));
     window.accumulate_mean(params, grads, tokens);

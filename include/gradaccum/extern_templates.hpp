@@ -31,25 +31,27 @@
 #include "gradaccum/kernels.hpp"
 #include "gradaccum/weighted_gradients_accumulator.hpp"
 
+// The arguments are types and declaration prefixes, which cannot be parenthesized.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 /// The declarations shared by both macros, `prefix` being `extern template` or `template`: backend
 /// `B`'s window, norm and clipping, and the library's add kernels of F32 and F64 gradients
 /// (which host backends call; they depend on no backend, so they are compiled once for all).
-#define GRADACCUM_DETAIL_TEMPLATES(prefix, B)                                                                \
-  prefix class ::gradaccum::weighted_gradients_accumulator<B>;                                              \
-  prefix double ::gradaccum::global_norm<B>(const ::gradaccum::flat_gradients<B>&) noexcept(                \
-      !::gradaccum::device_buffers_backend<B>);                                                              \
-  prefix double ::gradaccum::global_norm<B>(const ::gradaccum::accumulated_gradients<B>&) noexcept(         \
-      !::gradaccum::device_buffers_backend<B>);                                                              \
-  prefix double ::gradaccum::clip_by_global_norm<B>(::gradaccum::flat_gradients<B>&, double);                \
+#define GRADACCUM_DETAIL_TEMPLATES(prefix, B)                                                       \
+  prefix class ::gradaccum::weighted_gradients_accumulator<B>;                                      \
+  prefix double ::gradaccum::global_norm<B>(const ::gradaccum::flat_gradients<B>&) noexcept(        \
+      !::gradaccum::device_buffers_backend<B>);                                                     \
+  prefix double ::gradaccum::global_norm<B>(const ::gradaccum::accumulated_gradients<B>&) noexcept( \
+      !::gradaccum::device_buffers_backend<B>);                                                     \
+  prefix double ::gradaccum::clip_by_global_norm<B>(::gradaccum::flat_gradients<B>&, double);       \
   prefix double ::gradaccum::clip_by_global_norm<B>(::gradaccum::accumulated_gradients<B>&, double);
-#define GRADACCUM_DETAIL_KERNELS_OF(prefix, W, T)                                                            \
-  prefix void ::gradaccum::kernels::add_scaled<W, T>(W*, const T*, std::size_t, W) noexcept;                \
-  prefix void ::gradaccum::kernels::add_scaled_strided<W, T>(W*, const T*, std::span<const std::size_t>,      \
+#define GRADACCUM_DETAIL_KERNELS_OF(prefix, W, T)                                                        \
+  prefix void ::gradaccum::kernels::add_scaled<W, T>(W*, const T*, std::size_t, W) noexcept;             \
+  prefix void ::gradaccum::kernels::add_scaled_strided<W, T>(W*, const T*, std::span<const std::size_t>, \
                                                              std::span<const std::ptrdiff_t>, W) noexcept;
-#define GRADACCUM_DETAIL_KERNELS(prefix)                                                                     \
-  GRADACCUM_DETAIL_KERNELS_OF(prefix, float, float)                                                          \
-  GRADACCUM_DETAIL_KERNELS_OF(prefix, float, double)                                                         \
-  GRADACCUM_DETAIL_KERNELS_OF(prefix, double, float)                                                         \
+#define GRADACCUM_DETAIL_KERNELS(prefix)             \
+  GRADACCUM_DETAIL_KERNELS_OF(prefix, float, float)  \
+  GRADACCUM_DETAIL_KERNELS_OF(prefix, float, double) \
+  GRADACCUM_DETAIL_KERNELS_OF(prefix, double, float) \
   GRADACCUM_DETAIL_KERNELS_OF(prefix, double, double)
 #define GRADACCUM_DETAIL_INSTANTIATE_ONE(B) GRADACCUM_DETAIL_TEMPLATES(template, B)
 #define GRADACCUM_DETAIL_PICK(b1, b2, b3, b4, each, ...) each
@@ -57,11 +59,13 @@
 #define GRADACCUM_DETAIL_EACH2(X, b1, b2) X(b1) X(b2)
 #define GRADACCUM_DETAIL_EACH3(X, b1, b2, b3) X(b1) X(b2) X(b3)
 #define GRADACCUM_DETAIL_EACH4(X, b1, b2, b3, b4) X(b1) X(b2) X(b3) X(b4)
+// NOLINTEND(bugprone-macro-parentheses)
 
 /// @brief In every file that uses backend `B`'s window: its code is compiled elsewhere (by
 /// `GRADACCUM_INSTANTIATE_TEMPLATES`), not here. At namespace scope, after the includes; once
 /// per backend.
-#define GRADACCUM_EXTERN_TEMPLATES(B) GRADACCUM_DETAIL_KERNELS(extern template) GRADACCUM_DETAIL_TEMPLATES(extern template, B)
+#define GRADACCUM_EXTERN_TEMPLATES(B) \
+  GRADACCUM_DETAIL_KERNELS(extern template) GRADACCUM_DETAIL_TEMPLATES(extern template, B)
 
 /// @brief In one file of the program, which does not use `GRADACCUM_EXTERN_TEMPLATES`: compiles
 /// the windows of the backends named (one to four, every backend the program declares extern)

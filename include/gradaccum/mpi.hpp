@@ -468,7 +468,8 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
         piece_counts.resize(ranks);
         hints.resize(ranks);
         const std::size_t element_size = size_of(sums.state.dtype);
-        const std::size_t values = std::max(std::min(detail::mpi::bucket_elements(bucket_bytes, element_size), elements), ranks);
+        const std::size_t values =
+            std::max(std::min(detail::mpi::bucket_elements(bucket_bytes, element_size), elements), ranks);
         staging.resize((values * element_size + sizeof(double) - 1) / sizeof(double));
       }
     }
@@ -518,10 +519,10 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
   const detail::flat_storage& full = *detail::flat_access::storage(window.gradients);
   detail::visit_work_dtype(window.state.dtype, [&]<class W>() {
     if (window.staged && !window.direct) {
-      detail::mpi::reduce_scatter_staged(window, std::span<const shard_range>(ranges), static_cast<std::size_t>(place.rank),
-                                         shard->template data<W>(),
-                                         std::span<W>(reinterpret_cast<W*>(staging.data()), staging.size() * sizeof(double) / sizeof(W)),
-                                         std::span<int>(piece_counts), std::span<std::size_t>(hints), comm);
+      detail::mpi::reduce_scatter_staged(
+          window, std::span<const shard_range>(ranges), static_cast<std::size_t>(place.rank), shard->template data<W>(),
+          std::span<W>(reinterpret_cast<W*>(staging.data()), staging.size() * sizeof(double) / sizeof(W)),
+          std::span<int>(piece_counts), std::span<std::size_t>(hints), comm);
     } else {
       const void* send = full.data<W>();
       if (window.staged) {
@@ -529,7 +530,8 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
         // with the last segment, so the layout's padding after it is not sent: it sums to zero.
         send = window.source_data != nullptr ? window.source_data : window.result_data;
         const auto& layout = *detail::flat_access::layout(window.gradients);
-        const std::size_t sent = layout.size() == 0 ? 0 : layout[layout.size() - 1].offset + layout[layout.size() - 1].size;
+        const std::size_t sent =
+            layout.size() == 0 ? 0 : layout[layout.size() - 1].offset + layout[layout.size() - 1].size;
         for (std::size_t r = 0; r < ranks; ++r) {
           const shard_range theirs = ranges[r];
           counts[r] = static_cast<int>(std::min(theirs.stored, sent - std::min(sent, theirs.begin)));
@@ -537,9 +539,9 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
         const auto received = static_cast<std::size_t>(counts[static_cast<std::size_t>(place.rank)]);
         std::fill(shard->template data<W>() + received, shard->template data<W>() + range.stored, W{0});
       }
-      detail::mpi::check(MPI_Reduce_scatter(send, shard->template data<W>(), counts.data(),
-                                            detail::mpi::datatype<W>(), MPI_SUM, comm),
-                         "MPI_Reduce_scatter");
+      detail::mpi::check(
+          MPI_Reduce_scatter(send, shard->template data<W>(), counts.data(), detail::mpi::datatype<W>(), MPI_SUM, comm),
+          "MPI_Reduce_scatter");
     }
     if (window.staged) sums.gradients = {};  // every value was read: the sums are taken only now
     detail::mpi::normalize(shard->template data<W>(), range.stored, static_cast<W>(window.state.loss_scale),

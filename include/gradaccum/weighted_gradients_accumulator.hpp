@@ -289,8 +289,8 @@ class weighted_gradients_accumulator {
 // once (`GRADACCUM_EXTERN_TEMPLATES`, <gradaccum/extern_templates.hpp>).
 
 template <class B>
-void weighted_gradients_accumulator<B>::accumulate_sum(const parameter_set<B>& params,
-                                                       const gradients_params<B>& grads, double weight) {
+void weighted_gradients_accumulator<B>::accumulate_sum(const parameter_set<B>& params, const gradients_params<B>& grads,
+                                                       double weight) {
   accumulate(params, grads, weight, 1.0);
 }
 

@@ -387,9 +387,9 @@ class staged_copies {
   [[nodiscard]] bool agree(MPI_Comm comm) const {
     int rank = 0;
     mpi::check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
-    std::uint64_t agreed[2] = {failure_ ? static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(code_)
-                                        : no_failure,
-                               finite_ ? 1U : 0U};
+    std::uint64_t agreed[2] = {
+        failure_ ? static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(code_) : no_failure,
+        finite_ ? 1U : 0U};
     mpi::check(MPI_Allreduce(MPI_IN_PLACE, agreed, 2, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
     const std::uint64_t first_failure = agreed[0];
     if (first_failure == no_failure) return agreed[1] == 1;
@@ -415,7 +415,8 @@ void read_staged(const agreed_window<B>& window, std::size_t& hint, std::size_t 
   if (source == nullptr) return;
   for_each_overlap(*flat_access::layout(window.gradients), hint, at, out.size(),
                    [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
-                     if (source->present[p] != 0) source->device->read(p, first, std::as_writable_bytes(out.subspan(to, n)));
+                     if (source->present[p] != 0)
+                       source->device->read(p, first, std::as_writable_bytes(out.subspan(to, n)));
                    });
 }
 
@@ -453,9 +454,8 @@ void reduce_staged(agreed_window<B>& window, std::span<W> staging, MPI_Comm comm
 /// `hints` has one `for_each_overlap` hint per rank. Then `staged_copies::agree`, which also
 /// says whether some rank's sums held a NaN or an infinity (every value is read by its rank).
 template <class B, class W>
-void reduce_scatter_staged(agreed_window<B>& window, std::span<const shard_range> ranges, std::size_t rank,
-                           W* shard, std::span<W> staging, std::span<int> counts, std::span<std::size_t> hints,
-                           MPI_Comm comm) {
+void reduce_scatter_staged(agreed_window<B>& window, std::span<const shard_range> ranges, std::size_t rank, W* shard,
+                           std::span<W> staging, std::span<int> counts, std::span<std::size_t> hints, MPI_Comm comm) {
   const std::size_t run = std::max<std::size_t>(staging.size() / ranges.size(), 1);
   std::size_t longest = 0;
   for (const shard_range& r : ranges) longest = std::max(longest, r.stored);
