@@ -186,6 +186,26 @@ void check_ranks_still_agree(const gradaccum::parameter_set<B>& params) {
   GRADACCUM_CHECK_SAME_BITS(record_of(mean), record_of(single_process_mean(params, float_dtype::f32)));
 }
 
+/// `reduce()`, a reduction in which rank 0's device copy fails midway: every rank throws, rank 0
+/// the backend's own error, every other `invalid_state` naming rank 0.
+template <class Reduce>
+void check_rank_0_copy_failed(Reduce&& reduce) {
+  try {
+    reduce();
+    FAIL_CHECK("the reduction succeeded");
+  } catch (const std::runtime_error& e) {
+    const auto* library_error = dynamic_cast<const gradaccum::error*>(&e);
+    if (world_rank == 0) {
+      CHECK(library_error == nullptr);  // its own error: the backend's
+      CHECK(std::string(e.what()) == "device_backend: the device copy failed");
+    } else {
+      REQUIRE(library_error != nullptr);
+      CHECK(library_error->code() == gradaccum::errc::invalid_state);
+      CHECK(std::string(e.what()).find("rank 0 failed to copy its window") != std::string::npos);
+    }
+  }
+}
+
 #define BACKENDS EIGEN_BACKENDS XTENSOR_BACKENDS gradaccum::test::vector_backend, gradaccum::test::device_backend
 
 }  // namespace mpi_test
