@@ -175,7 +175,8 @@ class allreduce_mean_request {
   allreduce_mean_request(const parameter_set<B>& params, accumulated_gradients<B>& sums, MPI_Comm comm,
                          std::size_t bucket_bytes, detail::mpi::value_collectives collectives, Reserve&& also_reserve);
 
-  /// Normalizes bucket `k`, whose sum has arrived.
+  /// Bucket `k`'s sum has arrived: normalizes it, or (a direct window on devices) divides the
+  /// whole result once the last one has.
   void bucket_arrived(std::size_t k) noexcept;
   void complete_quietly() noexcept;
 
@@ -309,7 +310,9 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
         } else {
           detail::mpi::reduce_staged(window_, std::span<W>(reinterpret_cast<W*>(staging.data()), count), comm);
         }
-        sums.gradients = {};  // every bucket was read: the sums are taken only now
+        // Every bucket was read: the sums are taken only now (by `reduce_scatter_mean` once it
+        // has read its shard from the result).
+        if (collectives != value_collectives::allreduce_then_shard) sums.gradients = {};
         return;
       }
       W* const values = window_.staged ? nullptr : detail::flat_access::storage(window_.gradients)->template data<W>();
@@ -333,8 +336,8 @@ allreduce_mean_request<B>::allreduce_mean_request(const parameter_set<B>& params
                            "MPI_Iallreduce");
         ++in_flight_;
       }
+      if (window_.staged) sums.gradients = {};  // MPI reads them from the buffer `window_.source` holds
     });
-    if (window_.staged) sums.gradients = {};  // MPI reads them from the buffer `window_.source` holds
   } catch (...) {
     complete_quietly();  // the buckets already started (only an MPI error gets here)
     throw;
@@ -502,14 +505,20 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
         std::copy_n(all.data<W>() + range.begin, range.stored, values);
         return;
       }
-      // The range read from the result's devices (a failure here is this rank's alone).
+      // The range read from the result's devices; whether every rank's reads succeeded is agreed
+      // before the sums are taken.
       std::fill_n(values, range.stored, W{0});
-      std::size_t hint = 0;
-      detail::for_each_overlap(*detail::flat_access::layout(reduced.gradients), hint, range.begin, range.stored,
-                               [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
-                                 if (all.present[p] != 0)
-                                   all.device->read(p, first, std::as_writable_bytes(std::span<W>(values + to, n)));
-                               });
+      detail::mpi::staged_copies copies;
+      copies.run([&] {
+        std::size_t hint = 0;
+        detail::for_each_overlap(*detail::flat_access::layout(reduced.gradients), hint, range.begin, range.stored,
+                                 [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
+                                   if (all.present[p] != 0)
+                                     all.device->read(p, first, std::as_writable_bytes(std::span<W>(values + to, n)));
+                                 });
+      });
+      (void)copies.agree(comm);
+      sums.gradients = {};
     });
     return cut(reduced.gradients, reduced.state, found_non_finite, reduction);
   }

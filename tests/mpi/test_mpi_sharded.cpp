@@ -564,6 +564,30 @@ TEST_CASE("a device window is reduce-scattered through one bucket of host memory
   CHECK(shard_matches<float>(direct, full));
   B::mpi_reaches_buffers = false;
 
+  // Cut from allreduce_mean's own collectives (staged or direct), the shard is read from the
+  // result on the devices; rank 0 failing that read is an error on every rank, nothing taken.
+  const auto cut = [&](gradaccum::accumulated_gradients<B>&& sums) {
+    return gradaccum::reduce_scatter_mean(params, std::move(sums), MPI_COMM_WORLD,
+                                          gradaccum::shard_reduction::same_as_allreduce, bucket);
+  };
+  for (const bool reaches : {false, true}) {
+    CAPTURE(reaches);
+    B::mpi_reaches_buffers = reaches;
+    constexpr std::size_t uncounted = std::size_t{1} << 40;
+    B::reads_until_failure = uncounted;  // counts this rank's reads without failing any
+    CHECK(shard_matches<float>(cut(local_sums(params, float_dtype::f32)), full));
+    const std::size_t reads = uncounted - B::reads_until_failure;
+    REQUIRE(reads >= 1);
+    auto kept = local_sums(params, float_dtype::f32);
+    const auto kept_before = record_of(kept);
+    B::reads_until_failure = world_rank == 0 ? reads : 0;  // the last read, the shard's, fails
+    check_rank_0_copy_failed([&] { (void)cut(std::move(kept)); });
+    B::reads_until_failure = 0;
+    GRADACCUM_CHECK_SAME_BITS(record_of(kept), kept_before);
+    CHECK(shard_matches<float>(cut(std::move(kept)), full));  // the ranks are still in step
+  }
+  B::mpi_reaches_buffers = false;
+
   // Rank 0 (which has sums) fails its third device read: every rank throws, nothing is taken.
   auto sums = local_sums(params, float_dtype::f32);
   const auto before = record_of(sums);
