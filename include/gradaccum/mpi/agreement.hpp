@@ -13,6 +13,7 @@
 #include <exception>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include <mpi.h>
 
@@ -48,6 +49,47 @@ struct word_range {
 };
 
 inline constexpr std::uint64_t no_failure = std::numeric_limits<std::uint64_t>::max();
+
+/// What this rank's own step threw before a collective. An exception cannot cross ranks, but its
+/// code can: the collective carries `word`, MPI_MIN picks the lowest failed rank, and `rethrow`
+/// then makes every rank throw.
+class local_failure {
+ public:
+  /// Runs `step` unless an earlier one failed, keeping what it throws; whether it succeeded.
+  template <class Step>
+  bool run(Step&& step) noexcept {
+    if (exception_) return false;
+    try {
+      step();
+      return true;
+    } catch (const error& e) {
+      code_ = e.code();
+      exception_ = std::current_exception();
+    } catch (...) {
+      exception_ = std::current_exception();  // not the library's: counted as invalid_state
+    }
+    return false;
+  }
+
+  /// This rank's contribution to the agreed first failure: `rank << 8 | code`, or `no_failure`.
+  [[nodiscard]] std::uint64_t word(int rank) const noexcept {
+    return exception_ ? static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(code_) : no_failure;
+  }
+
+  /// Throws for the agreed `first_failure`, unless it is `no_failure`: the rank that failed first
+  /// its own exception, every other rank `error(code)` naming that rank, "rank R " + `what` + ...
+  void rethrow(std::uint64_t first_failure, int rank, std::string_view what, std::string_view outcome) const {
+    if (first_failure == no_failure) return;
+    if (exception_ && first_failure >> 8 == static_cast<std::uint64_t>(rank)) std::rethrow_exception(exception_);
+    const auto code = static_cast<errc>(first_failure & 0xffU);
+    fail(code, "rank " + std::to_string(first_failure >> 8) + " " + std::string(what) + " (" +
+                   make_error_code(code).message() + "); " + std::string(outcome));
+  }
+
+ private:
+  std::exception_ptr exception_;
+  errc code_ = errc::invalid_state;
+};
 
 /// Which call the collectives after an agreement belong to: every collective the library makes
 /// follows an agreement, and ranks in different calls (`allreduce_mean` on one, `global_norm` of
@@ -213,15 +255,8 @@ std::uint64_t layout_fingerprint(const parameter_set<B>& params) noexcept {
 /// Throws what the agreement found, the same code on every rank: every rank evaluates the same
 /// agreed words in the same order. A failed local check is thrown by the rank that failed first
 /// with its own message; every other rank, failed or not, throws its code.
-inline void check_agreement(const agreement& agreed, int rank, const std::exception_ptr& local_failure) {
-  if (agreed.first_failure != no_failure) {
-    if (local_failure && agreed.first_failure >> 8 == static_cast<std::uint64_t>(rank)) {
-      std::rethrow_exception(local_failure);
-    }
-    const auto code = static_cast<errc>(agreed.first_failure & 0xffU);
-    fail(code, "rank " + std::to_string(agreed.first_failure >> 8) + " rejected its arguments (" +
-                   make_error_code(code).message() + "); nothing was done.");
-  }
+inline void check_agreement(const agreement& agreed, int rank, const local_failure& failure) {
+  failure.rethrow(agreed.first_failure, rank, "rejected its arguments", "nothing was done.");
   if (!agreed.collectives.agreed()) {
     fail(errc::invalid_state, std::string("ranks called different collectives (") +
                                   call_name(agreed.collectives.min()) + " and " + call_name(agreed.collectives.max) +
@@ -284,12 +319,11 @@ inline void check_agreement(const agreement& agreed, int rank, const std::except
 }
 
 /// One agreement collective over `comm`, then its checks (`check_agreement`).
-inline void agree_on(agreement& agreed, int rank, const std::exception_ptr& local_failure, errc local_code,
-                     MPI_Comm comm) {
-  if (local_failure) agreed.first_failure = static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(local_code);
+inline void agree_on(agreement& agreed, int rank, const local_failure& failure, MPI_Comm comm) {
+  agreed.first_failure = failure.word(rank);
   const library_handles& handles = library_handles::get();
   check(MPI_Allreduce(MPI_IN_PLACE, &agreed, 1, handles.type, handles.op, comm), "MPI_Allreduce");
-  check_agreement(agreed, rank, local_failure);
+  check_agreement(agreed, rank, failure);
 }
 
 }  // namespace gradaccum::detail::mpi

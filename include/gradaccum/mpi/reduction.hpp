@@ -13,7 +13,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <limits>
 #include <memory>
 #include <span>
@@ -261,20 +260,14 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   // 1. Check this rank's sums; a failure is not thrown yet, since the peers would then wait
   //    forever in the agreement: it travels with the agreement so every rank throws.
   std::unique_ptr<local_window<B>> local;
-  std::exception_ptr local_failure;
-  errc local_code = errc::invalid_state;
+  local_failure failure;
   bool finite = true;
-  try {
+  failure.run([&] {
     local = std::make_unique<local_window<B>>(params, sums);
     reserve(local->layout->elements());
     // A staged window's sums are checked as its buckets are read (see `staged_copies`).
     if (check_non_finite && (!local->staged || local->direct)) finite = local->finite();
-  } catch (const error& e) {
-    local_failure = std::current_exception();
-    local_code = e.code();
-  } catch (...) {
-    local_failure = std::current_exception();
-  }
+  });
 
   // 2. One small collective: failures, calls, parameter sets, dtypes, loss scales, weights, counts.
   agreement agreed;
@@ -289,7 +282,7 @@ agreed_window<B> agree(const parameter_set<B>& params, accumulated_gradients<B>&
   agreed.microbatches = sums.state.microbatches;
   agreed.direct = word_range::of(local && local->direct ? 1 : 0);
   agreed.non_finite = finite ? 0 : 1;
-  agree_on(agreed, rank, local_failure, local_code, comm);
+  agree_on(agreed, rank, failure, comm);
 
   // 3. Presence: one bit per parameter position, OR-ed over the ranks. When every rank has a
   //    gradient for every parameter (the usual case), or none for any, the OR is known, and
@@ -369,17 +362,7 @@ class staged_copies {
   /// `copy()`, unless an earlier one failed; returns whether every copy so far succeeded.
   template <class Copy>
   bool run(Copy&& copy) noexcept {
-    if (failure_) return false;
-    try {
-      copy();
-      return true;
-    } catch (const error& e) {
-      code_ = e.code();
-      failure_ = std::current_exception();
-    } catch (...) {
-      failure_ = std::current_exception();
-    }
-    return false;
+    return failure_.run(copy);
   }
 
   /// One small collective: whether every rank's copies succeeded (throws on every rank if not)
@@ -387,22 +370,14 @@ class staged_copies {
   [[nodiscard]] bool agree(MPI_Comm comm) const {
     int rank = 0;
     mpi::check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
-    std::uint64_t agreed[2] = {
-        failure_ ? static_cast<std::uint64_t>(rank) << 8 | static_cast<unsigned>(code_) : no_failure,
-        finite_ ? 1U : 0U};
+    std::uint64_t agreed[2] = {failure_.word(rank), finite_ ? 1U : 0U};
     mpi::check(MPI_Allreduce(MPI_IN_PLACE, agreed, 2, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
-    const std::uint64_t first_failure = agreed[0];
-    if (first_failure == no_failure) return agreed[1] == 1;
-    if (failure_ && first_failure >> 8 == static_cast<std::uint64_t>(rank)) std::rethrow_exception(failure_);
-    const auto failed_code = static_cast<errc>(first_failure & 0xffU);
-    fail(failed_code, "rank " + std::to_string(first_failure >> 8) +
-                          " failed to copy its window between host and device (" +
-                          make_error_code(failed_code).message() + "); the sums were not taken.");
+    failure_.rethrow(agreed[0], rank, "failed to copy its window between host and device", "the sums were not taken.");
+    return agreed[1] == 1;
   }
 
  private:
-  std::exception_ptr failure_;
-  errc code_ = errc::invalid_state;
+  local_failure failure_;
   bool finite_ = true;
 };
 

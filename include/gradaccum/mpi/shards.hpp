@@ -9,7 +9,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -69,21 +68,15 @@ template <class B, class Prepare>
 comm_place agree_on_shard(const sharded_gradients<B>& shard, MPI_Comm comm, const shard_call& call, Prepare&& prepare) {
   const comm_place place = place_in(comm);
   const std::size_t elements = shard.layout() != nullptr ? shard.layout()->elements() : 0;
-  std::exception_ptr local_failure;
-  errc local_code = errc::invalid_state;
-  try {
+  local_failure failure;
+  failure.run([&] {
     if (shard.range() !=
         shard_of(elements, static_cast<std::size_t>(place.rank), static_cast<std::size_t>(place.ranks))) {
       fail(errc::invalid_state, "this shard was not cut for rank " + std::to_string(place.rank) + " of " +
                                     std::to_string(place.ranks) + ".");
     }
     prepare(place);
-  } catch (const error& e) {
-    local_failure = std::current_exception();
-    local_code = e.code();
-  } catch (...) {
-    local_failure = std::current_exception();
-  }
+  });
   agreement agreed;
   agreed.collectives = word_range::of(static_cast<std::uint64_t>(call.call));
   agreed.dtype = word_range::of(static_cast<std::uint64_t>(shard.dtype()));
@@ -91,7 +84,7 @@ comm_place agree_on_shard(const sharded_gradients<B>& shard, MPI_Comm comm, cons
   agreed.elements = word_range::of(elements);
   agreed.values_dtype = word_range::of(call.values_dtype);
   agreed.max_norm = word_range::of(std::bit_cast<std::uint64_t>(call.max_norm));
-  agree_on(agreed, place.rank, local_failure, local_code, comm);
+  agree_on(agreed, place.rank, failure, comm);
   return place;
 }
 
