@@ -25,13 +25,9 @@
 /// and pass the same parameter set (same ids, shapes and order).
 
 #include <algorithm>
-#include <bit>
-#include <climits>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
-#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -507,15 +503,11 @@ sharded_gradients<B> reduce_scatter_mean(const parameter_set<B>& params, accumul
       }
       // The range read from the result's devices; whether every rank's reads succeeded is agreed
       // before the sums are taken.
-      std::fill_n(values, range.stored, W{0});
       detail::mpi::staged_copies copies;
+      std::size_t hint = 0;
       copies.run([&] {
-        std::size_t hint = 0;
-        detail::for_each_overlap(*detail::flat_access::layout(reduced.gradients), hint, range.begin, range.stored,
-                                 [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
-                                   if (all.present[p] != 0)
-                                     all.device->read(p, first, std::as_writable_bytes(std::span<W>(values + to, n)));
-                                 });
+        detail::mpi::read_range(*detail::flat_access::layout(reduced.gradients), &all, hint, range.begin,
+                                std::span<W>(values, range.stored));
       });
       (void)copies.agree(comm);
       sums.gradients = {};

@@ -381,18 +381,23 @@ class staged_copies {
   bool finite_ = true;
 };
 
-/// Reads elements [at, at + out.size()) of a staged window's sums into `out` (zeros where no
-/// segment is present, or for a rank without sums); `hint` as `for_each_overlap`'s.
+/// Reads elements [at, at + out.size()) of a window on devices (`storage`, laid out by `layout`)
+/// into `out`: zeros where no segment is present, or for no storage (a rank without sums);
+/// `hint` as `for_each_overlap`'s.
+template <class B, class W>
+void read_range(const flat_layout<B>& layout, const flat_storage* storage, std::size_t& hint, std::size_t at,
+                std::span<W> out) {
+  std::fill(out.begin(), out.end(), W{0});
+  if (storage == nullptr) return;
+  for_each_overlap(layout, hint, at, out.size(), [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
+    if (storage->present[p] != 0) storage->device->read(p, first, std::as_writable_bytes(out.subspan(to, n)));
+  });
+}
+
+/// `read_range` of a staged window's sums.
 template <class B, class W>
 void read_staged(const agreed_window<B>& window, std::size_t& hint, std::size_t at, std::span<W> out) {
-  std::fill(out.begin(), out.end(), W{0});
-  const flat_storage* const source = window.source.get();
-  if (source == nullptr) return;
-  for_each_overlap(*flat_access::layout(window.gradients), hint, at, out.size(),
-                   [&](std::size_t p, std::size_t first, std::size_t to, std::size_t n) {
-                     if (source->present[p] != 0)
-                       source->device->read(p, first, std::as_writable_bytes(out.subspan(to, n)));
-                   });
+  read_range(*flat_access::layout(window.gradients), window.source.get(), hint, at, out);
 }
 
 /// The buckets of a staged window (see `local_window`), through `staging` (one bucket of host
