@@ -48,7 +48,10 @@ struct word_range {
   }
 };
 
-inline constexpr std::uint64_t no_failure = std::numeric_limits<std::uint64_t>::max();
+/// Above every failure word (`rank << 8 | errc`) and below 2^63, so that an `MPI_MIN` of words
+/// as `MPI_UINT64_T` picks the first failure also where the library compares them as signed
+/// (MPICH 4.0.2 does).
+inline constexpr std::uint64_t no_failure = std::numeric_limits<std::int64_t>::max();
 
 /// What this rank's own step threw before a collective. An exception cannot cross ranks, but its
 /// code can: the collective carries `word`, MPI_MIN picks the lowest failed rank, and `rethrow`

@@ -23,7 +23,7 @@
 
 #include <mpi.h>
 #if __has_include(<mpi-ext.h>)
-#include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support
+#include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support (MPICH declares its query in mpi.h)
 #endif
 
 #include "gradaccum/dtype.hpp"
@@ -43,11 +43,15 @@ inline std::size_t bucket_elements(std::size_t bytes, std::size_t element_size) 
   return std::clamp<std::size_t>(bytes / element_size, 1, static_cast<std::size_t>(INT_MAX));
 }
 
-/// Whether the MPI library reads and writes CUDA device memory (Open MPI's run-time query; false
-/// for a library that cannot say).
+/// Whether the MPI library reads and writes CUDA device memory, by its own run-time query: Open
+/// MPI's `MPIX_Query_cuda_support`, MPICH's `MPIX_GPU_query_support` (4.0 on, and the libraries
+/// built on it); false for a library that cannot say.
 inline bool mpi_takes_cuda_memory() noexcept {
 #if defined(MPIX_CUDA_AWARE_SUPPORT)
   return MPIX_Query_cuda_support() == 1;
+#elif defined(MPIX_GPU_SUPPORT_CUDA)
+  int supported = 0;
+  return MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &supported) == MPI_SUCCESS && supported != 0;
 #else
   return false;
 #endif
