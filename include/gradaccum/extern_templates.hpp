@@ -3,9 +3,10 @@
 /// @brief Compiling a backend's accumulation window once per program instead of once per file.
 ///
 /// Header-only code is compiled in every file that uses it. A training loop's window
-/// (`weighted_gradients_accumulator<B>`: accumulate, finish, `non_finite`) and the global norm
-/// and clipping of its result are most of what gradaccum costs the compiler there, and none of
-/// it depends on the caller's code. These macros move it into one file, as C++'s explicit
+/// (`weighted_gradients_accumulator<B>`: accumulate, finish, `non_finite`; with its
+/// `parameter_set<B>` and `gradients_params<B>`) and the global norm and clipping of its result
+/// are most of what gradaccum costs the compiler there, and none of it depends on the caller's
+/// code. These macros move it into one file, as C++'s explicit
 /// instantiation does (`extern template`):
 ///
 /// @code
@@ -34,9 +35,13 @@
 // The arguments are types and declaration prefixes, which cannot be parenthesized.
 // NOLINTBEGIN(bugprone-macro-parentheses)
 /// The declarations shared by both macros, `prefix` being `extern template` or `template`: backend
-/// `B`'s window, norm and clipping, and the library's add kernels of F32 and F64 gradients
-/// (which host backends call; they depend on no backend, so they are compiled once for all).
+/// `B`'s parameter set, gradients container, window, norm and clipping (their members that a
+/// loop calls are defined outside their classes: inline ones would still be compiled in every
+/// file), and the library's add kernels of F32 and F64 gradients (which host backends call; they
+/// depend on no backend, so they are compiled once for all).
 #define GRADACCUM_DETAIL_TEMPLATES(prefix, B)                                                       \
+  prefix class ::gradaccum::parameter_set<B>;                                                       \
+  prefix class ::gradaccum::gradients_params<B>;                                                    \
   prefix class ::gradaccum::weighted_gradients_accumulator<B>;                                      \
   prefix double ::gradaccum::global_norm<B>(const ::gradaccum::flat_gradients<B>&) noexcept(        \
       !::gradaccum::device_buffers_backend<B>);                                                     \

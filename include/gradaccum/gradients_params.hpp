@@ -332,10 +332,7 @@ class gradients_params {
     owned_ += owned;
   }
 
-  void reserve(std::size_t count) {
-    detail::reserve_geometric(entries_, count);
-    index_.reserve(count, key_of());
-  }
+  void reserve(std::size_t count);
 
   /// Constructs the entry (`id`, `value`) at `node` and returns it. A tensor is moved in only
   /// where that cannot allocate, else copied (see `detail::moves_without_allocating`): its move
@@ -453,5 +450,12 @@ class gradients_params {
   std::uint64_t params_identity_ = 0;
   std::size_t owned_ = 0;  // entries holding a tensor, not a view: checked again on every call
 };
+
+// Defined outside the class, so that `GRADACCUM_EXTERN_TEMPLATES` keeps it out of the caller's file.
+template <class B>
+void gradients_params<B>::reserve(std::size_t count) {
+  detail::reserve_geometric(entries_, count);
+  index_.reserve(count, key_of());
+}
 
 }  // namespace gradaccum

@@ -81,27 +81,7 @@ class parameter_set {
   }
 
   /// @brief Adds the parameter `id` with explicit geometry; same rules as above.
-  std::size_t add(std::string_view id, const tensor_shape& shape, const device_type& device) {
-    if (const auto position = find(id)) {
-      const parameter& tied = params_[*position];
-      if (!detail::same_shape<B>(tied.shape, shape)) {
-        detail::fail(errc::parameter_mismatch,
-                     {"tied parameter '", id, "' was added with shape ", tied.shape.dims(), " and again with shape ",
-                      shape.dims(), "."},
-                     id);
-      }
-      if (!(tied.device == device)) {
-        detail::fail(errc::parameter_mismatch, {"tied parameter '", id, "' was added again on another device."}, id);
-      }
-      return *position;
-    }
-    parameter added{std::string(id), shape, device};
-    detail::reserve_geometric(params_, params_.size() + 1);
-    index_.reserve(params_.size() + 1, key_of());
-    params_.push_back(std::move(added));  // cannot throw: capacity is reserved
-    index_.insert(params_.size() - 1, params_.back().id);
-    return params_.size() - 1;
-  }
+  std::size_t add(std::string_view id, const tensor_shape& shape, const device_type& device);
 
   /// @brief Position of `id`, if present.
   [[nodiscard]] std::optional<std::size_t> find(std::string_view id) const noexcept {
@@ -137,5 +117,29 @@ class parameter_set {
   detail::id_index index_;
   std::uint64_t identity_ = next_identity();
 };
+
+// Defined outside the class, so that `GRADACCUM_EXTERN_TEMPLATES` keeps it out of the caller's file.
+template <class B>
+std::size_t parameter_set<B>::add(std::string_view id, const tensor_shape& shape, const device_type& device) {
+  if (const auto position = find(id)) {
+    const parameter& tied = params_[*position];
+    if (!detail::same_shape<B>(tied.shape, shape)) {
+      detail::fail(errc::parameter_mismatch,
+                   {"tied parameter '", id, "' was added with shape ", tied.shape.dims(), " and again with shape ",
+                    shape.dims(), "."},
+                   id);
+    }
+    if (!(tied.device == device)) {
+      detail::fail(errc::parameter_mismatch, {"tied parameter '", id, "' was added again on another device."}, id);
+    }
+    return *position;
+  }
+  parameter added{std::string(id), shape, device};
+  detail::reserve_geometric(params_, params_.size() + 1);
+  index_.reserve(params_.size() + 1, key_of());
+  params_.push_back(std::move(added));  // cannot throw: capacity is reserved
+  index_.insert(params_.size() - 1, params_.back().id);
+  return params_.size() - 1;
+}
 
 }  // namespace gradaccum
