@@ -85,8 +85,7 @@ class local_failure {
     if (first_failure == no_failure) return;
     if (exception_ && first_failure >> 8 == static_cast<std::uint64_t>(rank)) std::rethrow_exception(exception_);
     const auto code = static_cast<errc>(first_failure & 0xffU);
-    fail(code, "rank " + std::to_string(first_failure >> 8) + " " + std::string(what) + " (" +
-                   make_error_code(code).message() + "); " + std::string(outcome));
+    fail(code, {"rank ", first_failure >> 8, " ", what, " (", make_error_code(code).message(), "); ", outcome});
   }
 
  private:
