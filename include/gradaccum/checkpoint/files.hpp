@@ -127,18 +127,17 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
                std::optional<dynamic_loss_scale_state>* scale = nullptr) {
   const bool with_scale = part != loss_scale_part::refused;
   const auto refuse_more = [&] {
-    fail(errc::invalid_record, std::string("checkpoint holds more than its ") + record_name<R>() +
-                                   (with_scale ? " and loss scale" : "") +
-                                   " (a window saved with its dynamic_loss_scale loads with "
-                                   "load_checkpoint(path, params, accumulator, scaler)).");
+    fail(errc::invalid_record, {"checkpoint holds more than its ", record_name<R>(), with_scale ? " and loss scale" : "",
+                                " (a window saved with its dynamic_loss_scale loads with "
+                                "load_checkpoint(path, params, accumulator, scaler))."});
   };
   // After the record: `more` tells whether the input holds anything else (binary input left
   // over without a scale is reported below, with its size).
   const auto read_scale = [&](auto& archive, bool more) {
     if (!more) {
       if (part == loss_scale_part::required) {
-        fail(errc::invalid_record, std::string("checkpoint holds no dynamic loss scale after its ") + record_name<R>() +
-                                       "; load it without a scaler.");
+        fail(errc::invalid_record,
+             {"checkpoint holds no dynamic loss scale after its ", record_name<R>(), "; load it without a scaler."});
       }
       return;
     }
@@ -152,8 +151,8 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
   };
   const auto fail_with = [&](const char* cause) {
     // Outside our loaders, cereal only reads a binary input's version and byte order tag.
-    fail(errc::invalid_record, "checkpoint is not a valid " + std::string(to_string(format)) + " " + record_name<R>() +
-                                   (is_text_format(format) ? "" : ": the input is truncated") + " (" + cause + ").");
+    fail(errc::invalid_record, {"checkpoint is not a valid ", to_string(format), " ", record_name<R>(),
+                                is_text_format(format) ? "" : ": the input is truncated", " (", cause, ")."});
   };
   try {
     if (is_text_format(format)) {
@@ -172,13 +171,13 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
     fail_with(e.what());
   }
   if (!is_text_format(format) && source.remaining() != 0) {
-    fail(errc::invalid_record, "checkpoint has " + std::to_string(source.remaining()) + " bytes after its " +
-                                   (with_scale ? "record and loss scale" : "record") + "; it is not one " +
-                                   std::string(to_string(format)) + " record" +
-                                   (with_scale ? ""
-                                               : " (a window saved with its dynamic_loss_scale loads with "
-                                                 "load_checkpoint(path, params, accumulator, scaler))") +
-                                   ".");
+    fail(errc::invalid_record, {"checkpoint has ", source.remaining(), " bytes after its ",
+                                with_scale ? "record and loss scale" : "record", "; it is not one ", to_string(format),
+                                " record",
+                                with_scale ? ""
+                                           : " (a window saved with its dynamic_loss_scale loads with "
+                                             "load_checkpoint(path, params, accumulator, scaler))",
+                                "."});
   }
 }
 
@@ -234,13 +233,12 @@ inline std::optional<checkpoint_format> archive_of(std::string_view head) noexce
 inline void check_archive(std::string_view head, checkpoint_format format) {
   const std::optional<checkpoint_format> found = archive_of(head);
   if (found && *found != format) {
-    fail(errc::invalid_record, "checkpoint is " + std::string(archive_description(*found)) + ", not " +
-                                   std::string(archive_description(format)) + "; load it as " +
-                                   std::string(to_string(*found)) + ".");
+    fail(errc::invalid_record, {"checkpoint is ", archive_description(*found), ", not ", archive_description(format),
+                                "; load it as ", to_string(*found), "."});
   }
   if (!found && !is_text_format(format) && head.size() >= archive_head_bytes) {
-    fail(errc::invalid_record, "checkpoint does not start like " + std::string(archive_description(format)) +
-                                   " of a gradaccum record: its first bytes are " + quote(head) + ".");
+    fail(errc::invalid_record, {"checkpoint does not start like ", archive_description(format),
+                                " of a gradaccum record: its first bytes are ", quote(head), "."});
   }
 }
 

@@ -104,28 +104,36 @@ struct load_site {
   std::string_view owner;
   const std::string* id = nullptr;
 
-  [[noreturn]] void fail(const std::string& problem) const {
-    detail::fail(code, std::string(owner) + (id != nullptr ? " " + quote(*id) : "") + " " + problem,
-                 id != nullptr ? *id : std::string());
+  /// Throws `error(code)`: the owner, its quoted id when known, then `problem`. Out of line and
+  /// cold, so each check in a loader (instantiated per archive) compiles to a call.
+  [[noreturn, gnu::cold, gnu::noinline]] void fail(std::initializer_list<message_piece> problem) const {
+    std::string text(owner);
+    if (id != nullptr) text += " " + quote(*id);
+    text += ' ';
+    for (const message_piece& piece : problem) piece.append_to(text);
+    detail::fail(code, text, id != nullptr ? *id : std::string());
   }
 };
+
+/// Throws `site`'s error for a field that could not be read: in a text archive missing or not
+/// what it must be (`expected`), in a binary one cut off.
+[[noreturn, gnu::cold, gnu::noinline]] inline void fail_field(const load_site& site, std::string_view field,
+                                                              bool text, std::string_view expected,
+                                                              const char* cause) {
+  if (!text) site.fail({"has a field '", field, "' that is cut off: the input is truncated (", cause, ")."});
+  site.fail({"has a field '", field, "' that is missing or not ", expected, " (", cause, ")."});
+}
 
 /// Runs `read`, turning what cereal (or, for XML numbers, `std::sto*`) throws for malformed
 /// input into `error(site.code)` naming the field. Errors of this library pass through.
 template <class Archive, class F>
 void read_field(const load_site& site, std::string_view field, std::string_view expected, F&& read) {
-  const auto fail_field = [&](const char* cause) {
-    site.fail("has a field '" + std::string(field) + "' that " +
-              (is_text_archive<Archive> ? "is missing or not " + std::string(expected)
-                                        : std::string("is cut off: the input is truncated")) +
-              " (" + cause + ").");
-  };
   try {
     std::forward<F>(read)();
   } catch (const cereal::Exception& e) {
-    fail_field(e.what());
+    fail_field(site, field, is_text_archive<Archive>, expected, e.what());
   } catch (const std::logic_error& e) {
-    fail_field(e.what());
+    fail_field(site, field, is_text_archive<Archive>, expected, e.what());
   }
 }
 
@@ -185,10 +193,12 @@ std::optional<std::uint64_t> check_block_fits(const Archive& ar, std::uint64_t c
       static_cast<std::uint64_t>(std::numeric_limits<std::ptrdiff_t>::max()) / sizeof(T);
   const std::optional<std::uint64_t> remaining = remaining_input(ar);
   if (count > addressable || (remaining && count > *remaining / sizeof(T))) {
-    site.fail("declares " + std::to_string(count) + " elements of " + std::to_string(sizeof(T)) + " bytes in field '" +
-              std::string(field) + "', more than " +
-              (remaining ? "the " + std::to_string(*remaining) + " bytes left hold: the input is truncated or corrupt."
-                         : std::string("memory can address.")));
+    if (remaining) {
+      site.fail({"declares ", count, " elements of ", sizeof(T), " bytes in field '", field, "', more than the ",
+                 *remaining, " bytes left hold: the input is truncated or corrupt."});
+    }
+    site.fail({"declares ", count, " elements of ", sizeof(T), " bytes in field '", field,
+               "', more than memory can address."});
   }
   return remaining;
 }
@@ -237,8 +247,8 @@ std::uint64_t load_unsigned(Archive& ar, const load_site& site, const char* fiel
     }
   });
   if (value > max) {
-    site.fail("has " + std::string(field != nullptr ? "a field '" + std::string(field) + "'" : "an element") + " of " +
-              std::to_string(value) + ", more than the largest allowed " + std::to_string(max) + ".");
+    site.fail({field != nullptr ? "has a field '" : "has an element", field != nullptr ? field : "",
+               field != nullptr ? "' of " : " of ", value, ", more than the largest allowed ", max, "."});
   }
   return value;
 }
@@ -247,8 +257,7 @@ template <class Archive>
 void check_checksum(Archive& ar, const load_site& site, std::uint64_t computed) {
   const std::uint64_t stored = load_unsigned(ar, site, "checksum", std::numeric_limits<std::uint64_t>::max());
   if (stored != computed) {
-    site.fail("has checksum " + std::to_string(stored) + " but its content hashes to " + std::to_string(computed) +
-              ": the checkpoint is corrupt.");
+    site.fail({"has checksum ", stored, " but its content hashes to ", computed, ": the checkpoint is corrupt."});
   }
 }
 
@@ -317,18 +326,17 @@ void parse_values_text(std::string_view text, std::span<T> out, const load_site&
   };
   std::size_t count = 0;
   for (skip_separators(); at != end; skip_separators()) {
-    if (count == out.size()) site.fail("holds more values than the " + std::to_string(out.size()) + " of its shape.");
+    if (count == out.size()) site.fail({"holds more values than the ", out.size(), " of its shape."});
     const auto [next, problem] = std::from_chars(at, end, out[count]);
     if (problem != std::errc{} || (next != end && !is_value_separator(*next))) {
       const std::string_view token(at, static_cast<std::size_t>(std::find_if(at, end, is_value_separator) - at));
-      site.fail("holds the value " + quote(token) + ", which is not " + std::string(value_kind<T>()) + ".");
+      site.fail({"holds the value ", quote(token), ", which is not ", value_kind<T>(), "."});
     }
     at = next;
     ++count;
   }
   if (count != out.size()) {
-    site.fail("holds " + std::to_string(count) + " values for the " + std::to_string(out.size()) +
-              " elements of its shape.");
+    site.fail({"holds ", count, " values for the ", out.size(), " elements of its shape."});
   }
 }
 
@@ -356,15 +364,13 @@ std::string load_string(Archive& ar, const load_site& site, const char* field, s
       cereal::size_type length = 0;
       ar(cereal::make_size_tag(length));
       if (length > max_length) {
-        site.fail("declares a field '" + std::string(field) + "' of " + std::to_string(length) +
-                  " bytes, more than the " + std::to_string(max_length) + " allowed.");
+        site.fail({"declares a field '", field, "' of ", length, " bytes, more than the ", max_length, " allowed."});
       }
       load_raw(ar, text, length, site, field);
     }
   });
   if (text.size() > max_length) {
-    site.fail("has a field '" + std::string(field) + "' of " + std::to_string(text.size()) + " bytes, more than the " +
-              std::to_string(max_length) + " allowed.");
+    site.fail({"has a field '", field, "' of ", text.size(), " bytes, more than the ", max_length, " allowed."});
   }
   return text;
 }
@@ -376,7 +382,7 @@ template <class Archive>
 float_dtype load_dtype(Archive& ar, const load_site& site) {
   const std::string name = load_string(ar, site, "dtype", max_dtype_name_length);
   const std::optional<float_dtype> dtype = parse_float_dtype(name);
-  if (!dtype) site.fail("has unknown dtype name " + quote(name) + "; dtypes are F16, BF16, F32 and F64.");
+  if (!dtype) site.fail({"has unknown dtype name ", quote(name), "; dtypes are F16, BF16, F32 and F64."});
   return *dtype;
 }
 
@@ -394,8 +400,8 @@ decltype(auto) visit_stored_type(float_dtype dtype, F&& f) {
 
 inline void check_format_version(std::uint32_t version, std::string_view type) {
   if (version != record_format_version) {
-    fail(errc::invalid_record, std::string(type) + " has format version " + std::to_string(version) +
-                                   "; this build reads version " + std::to_string(record_format_version) + " only.");
+    fail(errc::invalid_record,
+         {type, " has format version ", version, "; this build reads version ", record_format_version, " only."});
   }
 }
 
@@ -437,7 +443,6 @@ void save_tag(Archive& ar, const record_tag& tag) {
 template <class Archive>
 void check_tag(Archive& ar, const record_tag& expected) {
   constexpr bool text = is_text_archive<Archive>;
-  const std::string where_expected = "expected a " + std::string(expected.name) + ", but the input holds ";
   std::string found;
   read_field<Archive>({errc::invalid_record, expected.name}, "record", "a string", [&] {
     if constexpr (text) {
@@ -449,10 +454,10 @@ void check_tag(Archive& ar, const record_tag& expected) {
   });
   if (found == (text ? expected.name : expected.magic)) return;
   if (const record_tag* other = find_tag(found, !text)) {
-    fail(errc::invalid_record, where_expected + "a " + std::string(other->name) + ".");
+    fail(errc::invalid_record, {"expected a ", expected.name, ", but the input holds a ", other->name, "."});
   }
-  fail(errc::invalid_record, where_expected + quote(found) + " where the record's tag " +
-                                 quote(text ? expected.name : expected.magic) + " belongs.");
+  fail(errc::invalid_record, {"expected a ", expected.name, ", but the input holds ", quote(found),
+                              " where the record's tag ", quote(text ? expected.name : expected.magic), " belongs."});
 }
 
 // ---- Checksums ---------------------------------------------------------------------------------

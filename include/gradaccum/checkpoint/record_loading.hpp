@@ -120,8 +120,7 @@ void load_tensor(Archive& ar, Sink& sink) {
                           cereal::size_type declared = 0;
                           node(cereal::make_size_tag(declared));
                           if (declared > max_rank) {
-                            site.fail("has rank " + std::to_string(declared) + ", more than the supported " +
-                                      std::to_string(max_rank) + ".");
+                            site.fail({"has rank ", declared, ", more than the supported ", max_rank, "."});
                           }
                           rank = static_cast<std::size_t>(declared);
                           if constexpr (is_text_archive<Archive>) {
@@ -136,7 +135,7 @@ void load_tensor(Archive& ar, Sink& sink) {
   });
   const tensor_shape shape(std::span<const std::uint64_t>(dims.data(), rank));
   const std::optional<std::size_t> elements = shape.checked_element_count();
-  if (!elements) site.fail("has shape " + shape.to_string() + ", whose element count overflows.");
+  if (!elements) site.fail({"has shape ", shape.dims(), ", whose element count overflows."});
   if (hash != nullptr) hash_tensor_header(*hash, id, dtype, std::span(dims.data(), rank), *elements);
 
   read_field<Archive>(site, "values", is_text_archive<Archive> ? "a string of numbers" : "", [&] {
@@ -146,16 +145,15 @@ void load_tensor(Archive& ar, Sink& sink) {
       // Every value takes a character and all but the last a separator: a bound on the count
       // before anything is allocated for it.
       if (*elements > (text.size() + 1) / 2) {
-        site.fail("has " + std::to_string(text.size()) + " characters of values, too few for the " +
-                  std::to_string(*elements) + " elements of shape " + shape.to_string() + ".");
+        site.fail({"has ", text.size(), " characters of values, too few for the ", *elements, " elements of shape ",
+                   shape.dims(), "."});
       }
       sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, *elements, site, text, hash));
     } else {
       cereal::size_type count = 0;
       ar(cereal::make_size_tag(count));
       if (count != *elements) {
-        site.fail("declares " + std::to_string(count) + " values for shape " + shape.to_string() + " of " +
-                  std::to_string(*elements) + " elements.");
+        site.fail({"declares ", count, " values for shape ", shape.dims(), " of ", *elements, " elements."});
       }
       visit_stored_type(dtype, [&]<class S>() { check_block_fits<S>(ar, count, site, "values"); });
       sink.add(std::move(id), dtype, shape, values_reader<Archive>(ar, count, site, {}, hash));
@@ -173,14 +171,13 @@ std::string load_directory(Archive& ar, std::uint64_t count, std::uint64_t min_e
   // Bounded by what `count` entries can take, before the bytes left are even asked (a sparse
   // file "holds" whatever it claims).
   if (directory_bytes != 0 && (directory_bytes - 1) / max_entry >= count) {
-    site.fail("has a directory of " + std::to_string(directory_bytes) + " bytes, more than the entries of its " +
-              std::to_string(count) + " tensors take.");
+    site.fail({"has a directory of ", directory_bytes, " bytes, more than the entries of its ", count,
+               " tensors take."});
   }
   std::string directory;
   load_raw(ar, directory, directory_bytes, site, "directory");
   if (count > directory.size() / min_entry) {
-    site.fail("declares " + std::to_string(count) + " tensors, more than its directory of " +
-              std::to_string(directory.size()) + " bytes holds.");
+    site.fail({"declares ", count, " tensors, more than its directory of ", directory.size(), " bytes holds."});
   }
   return directory;
 }
@@ -227,7 +224,7 @@ class values_block final : public values_block_source {
     std::uint64_t at = 0;
     for (const std::size_t i : order) {
       const block_entry& entry = entries_[i];
-      if (entry.offset < at) site_.fail("has tensors whose values overlap in its values block: it is corrupt.");
+      if (entry.offset < at) site_.fail({"has tensors whose values overlap in its values block: it is corrupt."});
       zeros(entry.offset - at);
       read(i, values_reader<Archive>(ar_, entry.count, site_, {}, &hash_));
       at = entry.offset + entry.count * size_of(entry.dtype);
@@ -237,7 +234,7 @@ class values_block final : public values_block_source {
 
   /// Fails unless `size` bytes read from the block at `bytes` are zero.
   void check_zero(const unsigned char* bytes, std::size_t size) const override {
-    if (!all_zero(bytes, size)) site_.fail("has bytes outside its tensors' values that are not zero: it is corrupt.");
+    if (!all_zero(bytes, size)) site_.fail({"has bytes outside its tensors' values that are not zero: it is corrupt."});
   }
 
  private:
@@ -277,8 +274,8 @@ void load_block_tensors(Archive& ar, Sink& sink, std::uint64_t count, const load
   check_block_fits<char>(ar, block_bytes, site, "values");
   const std::uint64_t stored = load_unsigned(ar, site, "directory checksum", std::numeric_limits<std::uint64_t>::max());
   if (stored != directory_checksum(count, directory, block_bytes)) {
-    site.fail("has a directory with checksum " + std::to_string(stored) + " but its content hashes to " +
-              std::to_string(directory_checksum(count, directory, block_bytes)) + ": the checkpoint is corrupt.");
+    site.fail({"has a directory with checksum ", stored, " but its content hashes to ",
+               directory_checksum(count, directory, block_bytes), ": the checkpoint is corrupt."});
   }
   sink.reserve(static_cast<std::size_t>(count));
   std::vector<block_entry> entries;
@@ -294,25 +291,23 @@ void load_block_tensors(Archive& ar, Sink& sink, std::uint64_t count, const load
       return load_site{errc::invalid_record, "record tensor", &id};
     };
     if (rank > max_rank) {
-      tensor_site().fail("has rank " + std::to_string(rank) + ", more than the supported " + std::to_string(max_rank) +
-                         ".");
+      tensor_site().fail({"has rank ", static_cast<unsigned>(rank), ", more than the supported ", max_rank, "."});
     }
     std::array<std::uint64_t, max_rank> dims{};
     for (std::size_t axis = 0; axis < rank; ++axis) dims[axis] = reader.little_endian<std::uint64_t>();
     const tensor_shape shape(std::span<const std::uint64_t>(dims.data(), rank));
     const std::optional<std::size_t> elements = shape.checked_element_count();
-    if (!elements) tensor_site().fail("has shape " + shape.to_string() + ", whose element count overflows.");
+    if (!elements) tensor_site().fail({"has shape ", shape.dims(), ", whose element count overflows."});
     const auto offset = reader.little_endian<std::uint64_t>();
     const std::size_t size = size_of(dtype);
     if (offset % size != 0 || offset > block_bytes || *elements > (block_bytes - offset) / size) {
-      tensor_site().fail("declares " + std::to_string(*elements) + " elements of " + std::to_string(size) +
-                         " bytes at offset " + std::to_string(offset) + ", which do not fit aligned in the " +
-                         std::to_string(block_bytes) + " bytes of its values block.");
+      tensor_site().fail({"declares ", *elements, " elements of ", size, " bytes at offset ", offset,
+                          ", which do not fit aligned in the ", block_bytes, " bytes of its values block."});
     }
     sink.place(entry_id, dtype, shape);
     entries.push_back({offset, *elements, dtype});
   }
-  if (!reader.at_end()) site.fail("has a directory with bytes after its last tensor: it is corrupt.");
+  if (!reader.at_end()) site.fail({"has a directory with bytes after its last tensor: it is corrupt."});
   sink.values(values_block<Archive>(ar, block_bytes, entries, site, hash));
 }
 

@@ -48,16 +48,13 @@ template <class Archive>
 void check_saved_id(std::string_view id) {
   if (id.size() > max_id_length) {
     fail(errc::invalid_record,
-         "tensor id " + quote(id) + " has " + std::to_string(id.size()) + " bytes, more than the " +
-             std::to_string(max_id_length) + " allowed.",
-         std::string(id.substr(0, 64)));
+         {"tensor id ", quote(id), " has ", id.size(), " bytes, more than the ", max_id_length, " allowed."},
+         id.substr(0, 64));
   }
   if (is_text_archive<Archive> && id.find('\0') != std::string_view::npos) {
     fail(errc::invalid_record,
-         "tensor id " + quote(id) +
-             " holds a NUL byte, which JSON and XML archives cannot hold; save it in a "
-             "binary format.",
-         std::string(id));
+         {"tensor id ", quote(id), " holds a NUL byte, which JSON and XML archives cannot hold; save it in a binary format."},
+         id);
   }
 }
 

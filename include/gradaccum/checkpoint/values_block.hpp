@@ -119,15 +119,14 @@ class directory_reader {
   std::string_view id() {
     const auto length = little_endian<std::uint32_t>();
     if (length > max_id_length) {
-      site_.fail("has a tensor id of " + std::to_string(length) + " bytes, more than the " +
-                 std::to_string(max_id_length) + " allowed.");
+      site_.fail({"has a tensor id of ", length, " bytes, more than the ", max_id_length, " allowed."});
     }
     return take(length);
   }
   float_dtype dtype() {
     const auto code = little_endian<std::uint8_t>();
     const std::optional<float_dtype> dtype = dtype_of_code(code);
-    if (!dtype) site_.fail("has unknown dtype code " + std::to_string(code) + "; codes are 0 to 3.");
+    if (!dtype) site_.fail({"has unknown dtype code ", static_cast<unsigned>(code), "; codes are 0 to 3."});
     return *dtype;
   }
   template <class U>
@@ -149,7 +148,7 @@ class directory_reader {
  private:
   std::string_view take(std::size_t count) {
     if (count > rest_.size())
-      site_.fail("has a directory that ends inside a tensor's entry: it is truncated or corrupt.");
+      site_.fail({"has a directory that ends inside a tensor's entry: it is truncated or corrupt."});
     const std::string_view taken = rest_.substr(0, count);
     rest_.remove_prefix(count);
     return taken;

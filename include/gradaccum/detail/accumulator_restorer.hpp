@@ -94,33 +94,32 @@ class gradients_accumulator<B>::restorer {
   std::size_t admit(std::string_view id, float_dtype dtype, const tensor_shape& shape) {
     if (expected_ && dtype != *expected_) {
       detail::fail(errc::invalid_state,
-                   "pending tensor '" + std::string(id) + "' has dtype " + std::string(to_string(dtype)) +
-                       " but the accumulation state's work dtype is " + std::string(to_string(*expected_)) + ".",
-                   std::string(id));
+                   {"pending tensor '", id, "' has dtype ", to_string(dtype),
+                    " but the accumulation state's work dtype is ", to_string(*expected_), "."},
+                   id);
     }
     require_pending_dtype(id, dtype);
     if (!layout_) layout_ = target_->layout_for(*params_);
     const auto position = position_of(id);
     if (!position) {
-      detail::fail(errc::unknown_parameters,
-                   "record tensor '" + std::string(id) + "' names no parameter of the parameter set.", std::string(id));
+      detail::fail(errc::unknown_parameters, {"record tensor '", id, "' names no parameter of the parameter set."},
+                   id);
     }
     if (!detail::same_shape<B>(shape, (*params_)[*position].shape)) {
       detail::fail(errc::parameter_mismatch,
-                   "record tensor '" + std::string(id) + "' has shape " + shape.to_string() +
-                       " but its parameter has shape " + (*params_)[*position].shape.to_string() + ".",
-                   std::string(id));
+                   {"record tensor '", id, "' has shape ", shape.dims(), " but its parameter has shape ",
+                    (*params_)[*position].shape.dims(), "."},
+                   id);
     }
     if (storage_ && dtype != storage_->dtype) {
       detail::fail(errc::invalid_dtype,
-                   "record tensor '" + std::string(id) + "' has dtype " + std::string(to_string(dtype)) +
-                       " but tensor of " + std::string(to_string(storage_->dtype)) +
-                       " came before it; a window has one work dtype.",
-                   std::string(id));
+                   {"record tensor '", id, "' has dtype ", to_string(dtype), " but tensor of ",
+                    to_string(storage_->dtype), " came before it; a window has one work dtype."},
+                   id);
     }
     if (!storage_) take_storage(dtype);
     if (storage_->present[*position] != 0) {
-      detail::fail(errc::invalid_record, "record lists tensor '" + std::string(id) + "' twice.", std::string(id));
+      detail::fail(errc::invalid_record, {"record lists tensor '", id, "' twice."}, id);
     }
     return *position;
   }
