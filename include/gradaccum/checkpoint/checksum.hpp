@@ -17,13 +17,12 @@
 #include <type_traits>
 
 // XXH3 is the same function in every vector width; a build for baseline x86-64 gets SSE2 only,
-// so the AVX2 accumulate is compiled too (as xxHash's own x86 dispatcher does) and chosen at run
-// time: it hashes values in cache 2-3x faster, which is most of what a checkpoint's checksum costs.
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define XXH_X86DISPATCH
-#define XXH_DISPATCH_AVX2 1
-#define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+// so AVX2 stripe functions are compiled too (as xxHash's own x86 dispatcher does) and chosen at
+// run time: they hash values in cache 2-3x faster, which is most of what a checkpoint's checksum
+// costs. They are written with the compiler's vector types, not <immintrin.h>, whose
+// declarations of every x86 extension take longer to parse than all the rest of a checkpoint's
+// headers but cereal and the standard library.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__AVX2__)
 #define GRADACCUM_XXH3_AVX2 1
 #endif
 #define XXH_INLINE_ALL
@@ -39,6 +38,49 @@
 #endif
 
 namespace gradaccum::detail {
+
+#ifdef GRADACCUM_XXH3_AVX2
+/// xxHash's `XXH3_accumulate_512_avx2` and `XXH3_scrambleAcc_avx2`, lane for lane.
+namespace xxh3_avx2 {
+
+using u64x4 = std::uint64_t __attribute__((vector_size(32)));
+using i32x8 = int __attribute__((vector_size(32)));
+
+/// The low halves of `a` and `b`'s lanes multiplied to 64 bits (`vpmuludq`, which GCC does
+/// not find in the masked product).
+[[gnu::target("avx2"), gnu::always_inline]] inline u64x4 mul_low32(u64x4 a, u64x4 b) noexcept {
+  return reinterpret_cast<u64x4>(__builtin_ia32_pmuludq256(reinterpret_cast<i32x8>(a), reinterpret_cast<i32x8>(b)));
+}
+
+[[gnu::target("avx2"), gnu::always_inline]] inline u64x4 load(const void* at, std::size_t lane) noexcept {
+  u64x4 value;
+  std::memcpy(&value, static_cast<const unsigned char*>(at) + lane * sizeof value, sizeof value);
+  return value;
+}
+
+/// acc[i ^ 1] += data[i]; acc[i] += low32(data[i] ^ key[i]) * high32(data[i] ^ key[i]).
+[[gnu::target("avx2")]] inline void accumulate_512(void* __restrict acc, const void* __restrict input,
+                                                   const void* __restrict secret) noexcept {
+  auto* const lanes = static_cast<u64x4*>(acc);  // XXH3 keeps its accumulators 64-byte aligned
+  for (std::size_t i = 0; i < 2; ++i) {
+    const u64x4 data = load(input, i);
+    const u64x4 data_key = data ^ load(secret, i);
+    lanes[i] += __builtin_shufflevector(data, data, 1, 0, 3, 2) + mul_low32(data_key, data_key >> 32);
+  }
+}
+
+/// acc = (acc ^ (acc >> 47) ^ key) * PRIME32_1.
+[[gnu::target("avx2")]] inline void scramble_acc(void* __restrict acc, const void* __restrict secret) noexcept {
+  auto* const lanes = static_cast<u64x4*>(acc);
+  const u64x4 prime = {XXH_PRIME32_1, XXH_PRIME32_1, XXH_PRIME32_1, XXH_PRIME32_1};
+  for (std::size_t i = 0; i < 2; ++i) {
+    const u64x4 value = lanes[i] ^ (lanes[i] >> 47) ^ load(secret, i);
+    lanes[i] = mul_low32(value, prime) + (mul_low32(value >> 32, prime) << 32);
+  }
+}
+
+}  // namespace xxh3_avx2
+#endif
 
 /// @brief Writes integers little-endian and bytes into a buffer the caller sized.
 class little_endian_writer {
@@ -148,7 +190,7 @@ class content_hash {
 #ifdef GRADACCUM_XXH3_AVX2
   __attribute__((__target__("avx2"))) static void update_avx2(XXH3_state_t* state, const void* data,
                                                               std::size_t size) noexcept {
-    XXH3_update(state, static_cast<const xxh_u8*>(data), size, XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2);
+    XXH3_update(state, static_cast<const xxh_u8*>(data), size, xxh3_avx2::accumulate_512, xxh3_avx2::scramble_acc);
   }
 #endif
 
