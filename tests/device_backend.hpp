@@ -7,7 +7,9 @@
 /// operations of `<gradaccum/device_buffers.hpp>`, as it must reach an accelerator's memory.
 /// The arithmetic is `gradaccum::kernels`', so its bits are the host window's. Adds are queued
 /// and done by `flush_adds`, as a GPU backend batches its launches, so a read the library makes
-/// before flushing would miss them and fail the tests.
+/// before flushing would miss them and fail the tests. `device_backend` checks for NaN and
+/// infinity on its devices (`all_finite`), as a GPU backend does;
+/// `basic_device_backend<false>` has no such check, so the library reads its buffers instead.
 
 #include <algorithm>
 #include <cstddef>
@@ -22,7 +24,8 @@
 
 namespace gradaccum::test {
 
-struct device_backend {
+template <bool FiniteOnDevice = true>
+struct basic_device_backend {
   using device_type = int;
   using element_types = vector_backend::element_types;
   template <class T>
@@ -33,7 +36,7 @@ struct device_backend {
   /// W values on one device; nothing outside this backend can reach them.
   template <class W>
   class buffer {
-    friend struct device_backend;
+    friend struct basic_device_backend;
     struct queued_add {
       std::size_t offset;
       const void* g;
@@ -128,9 +131,19 @@ struct device_backend {
   static void write(buffer<W>& b, std::size_t offset, std::span<const W> in) {
     std::copy(in.begin(), in.end(), b.values_.begin() + static_cast<std::ptrdiff_t>(offset));
   }
+
+  static inline std::size_t finite_checks = 0;  // calls of `all_finite`
+  template <class W>
+    requires FiniteOnDevice
+  static bool all_finite(const buffer<W>& b, std::size_t offset, std::size_t count) {
+    ++finite_checks;
+    return kernels::all_finite(b.values_.data() + offset, count);
+  }
 };
 
-static_assert(detail::check_backend<device_backend>());
+using device_backend = basic_device_backend<>;
+
+static_assert(detail::check_backend<device_backend>() && detail::check_backend<basic_device_backend<false>>());
 static_assert(serializable_backend<device_backend> && device_buffers_backend<device_backend>);
 
 }  // namespace gradaccum::test

@@ -257,11 +257,31 @@ TEST_CASE_TEMPLATE("the norm, clipping and non-finite ids of a device window are
   values[4][30000] = std::numeric_limits<float>::infinity();  // in the second piece of "e"
   values[1][3] = std::numeric_limits<float>::quiet_NaN();
   window.accumulate_sum(parameters<device>(), gradients<device, float>(values), 1.0);
+  device::largest_read = 0;
+  device::finite_checks = 0;
   CHECK(window.non_finite() == std::vector<std::string>{"b", "e"});
+  CHECK(device::largest_read == 0);  // checked on the device, one segment at a time
+  CHECK(device::finite_checks == parameters<device>().size());
   auto result = window.finish_sums();
   const std::vector<W> before = result_values<W>(result.gradients, "a");
   CHECK(std::isnan(clip_by_global_norm(result, 1.0)));
   CHECK(result_values<W>(result.gradients, "a") == before);  // a non-finite norm clips nothing
+}
+
+TEST_CASE_TEMPLATE("without a check on the device, a device window's non-finite ids are read through host pieces", W,
+                   float, double) {
+  using reading = basic_device_backend<false>;
+  weighted_gradients_accumulator<reading> window(dtype_of<W>, 1.0);
+  auto values = microbatches<float>(19)[0];
+  CHECK(window.non_finite().empty());
+  window.accumulate_sum(parameters<reading>(), gradients<reading, float>(values), 1.0);
+  CHECK(window.non_finite().empty());
+  values[4][30000] = std::numeric_limits<float>::infinity();  // in the second piece of "e"
+  values[1][3] = -std::numeric_limits<float>::quiet_NaN();
+  window.accumulate_sum(parameters<reading>(), gradients<reading, float>(values), 1.0);
+  reading::largest_read = 0;
+  CHECK(window.non_finite() == std::vector<std::string>{"b", "e"});
+  CHECK(reading::largest_read == detail::staged_elements);  // "e" holds more than one piece
 }
 
 TEST_CASE("a device window's record is the host window's; it loads back into either") {

@@ -35,13 +35,19 @@
 /// // queued work is done, or nullptr when it cannot reach this memory (`cuda_aware`: it reports
 /// // support for CUDA device memory); may throw
 /// template <class W> static W* data(buffer<W>&, bool cuda_aware);
+/// // whether the `count` values from `offset` are all finite (no NaN, no infinity), checked on
+/// // the device; may throw
+/// template <class W> static bool all_finite(const buffer<W>&, std::size_t offset, std::size_t count);
 /// @endcode
 ///
 /// With `flush_adds`, `add_scaled` may queue its add instead of doing it (holding `g` no longer
 /// than the accumulate call): the library calls `flush_adds` on every buffer at the end of each
 /// accumulate call, so nothing else ever sees a queued add. A backend whose adds are bound by
 /// kernel launches (many small parameters on a GPU) issues them together there. With `data`,
-/// `allreduce_mean` hands a window on one device straight to MPI when every rank's can.
+/// `allreduce_mean` hands a window on one device straight to MPI when every rank's can. With
+/// `all_finite`, the checks for NaN and infinity (`non_finite()`, and `reduce_scatter_mean`'s
+/// `found_non_finite()` when MPI takes the buffers) run on the device instead of reading the
+/// window into host memory.
 ///
 /// Everything else a window does (records and checkpoints, the global norm and clipping, MPI
 /// reductions, a change of work dtype) goes through `read` and `write`, so its bits are the

@@ -198,11 +198,7 @@ class flat_gradients {
     for (const std::size_t position : layout_->by_id()) {
       if (!is_present(position)) continue;
       const flat_segment<B>& s = (*layout_)[position];
-      bool finite = true;
-      detail::for_each_piece(*storage_, position, s.offset, s.size, [&](auto values) {
-        finite = finite && kernels::all_finite(values.data(), values.size());
-      });
-      if (!finite) ids.push_back(s.id);
+      if (!detail::segment_finite(*storage_, position, s.offset, s.size)) ids.push_back(s.id);
     }
     return ids;
   }

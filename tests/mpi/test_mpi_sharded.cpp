@@ -555,13 +555,27 @@ TEST_CASE("a device window is reduce-scattered through one bucket of host memory
   const auto in_pieces = reduce(rounding_sums<B, float>(params));
   if (world_size <= 2) CHECK(std::ranges::equal(in_pieces.values<float>(), whole.values<float>()));
 
-  // MPI reaching every rank's buffers: one reduce-scatter from them; only the non-finite check
-  // reads the sums through the host, in pieces.
+  // MPI reaching every rank's buffers: one reduce-scatter from them, and the non-finite check
+  // done on the devices (`all_finite`): nothing is read through the host.
   B::mpi_reaches_buffers = true;
   B::largest_read = 0;
   const auto direct = reduce(local_sums(params, float_dtype::f32));
-  CHECK(B::largest_read <= gradaccum::detail::staged_elements);
+  CHECK(B::largest_read == 0);
   CHECK(shard_matches<float>(direct, full));
+  CHECK_FALSE(direct.found_non_finite());
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    INFO("value " << bad);
+    gradaccum::weighted_gradients_accumulator<B> window(float_dtype::f32, loss_scale);
+    gradaccum::gradients_params<B> grads;
+    std::vector<float> values(4, 1.0F);
+    if (world_rank == world_size - 1) values[2] = bad;
+    grads.insert("solo", B::template from_row_major<float>(std::span<const float>(values), model()[4].shape, {}));
+    window.accumulate_sum(params, grads, 1.0);
+    B::finite_checks = 0;
+    CHECK(reduce(window.finish_sums()).found_non_finite());  // on every rank
+    CHECK(B::largest_read == 0);
+    CHECK(B::finite_checks == 1);  // this rank's one buffer, whole
+  }
   B::mpi_reaches_buffers = false;
 
   // Cut from allreduce_mean's own collectives (staged or direct), the shard is read from the

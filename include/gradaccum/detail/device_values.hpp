@@ -3,8 +3,10 @@
 /// @brief How the library holds a window whose values live on devices (`flat_storage::device`):
 /// one `B::buffer<W>` per device, seen without the backend through `device_values`.
 
+#include <concepts>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -45,6 +47,12 @@ class device_values : public values_on_device {
   /// memory; else null.
   /// @throws what `B::data` throws (waiting for the device's queued work)
   [[nodiscard]] virtual void* data(bool cuda_aware) = 0;
+  /// Whether segment `position` holds only finite values, checked on its device
+  /// (`B::all_finite`); empty when the backend has no such check (read host pieces instead).
+  /// @throws what `B::all_finite` throws
+  [[nodiscard]] virtual std::optional<bool> finite(std::size_t position) const = 0;
+  /// The same for every buffer, whole (padding and absent segments hold zeros).
+  [[nodiscard]] virtual std::optional<bool> all_finite() const = 0;
 
   [[nodiscard]] const device_place& place(std::size_t position) const noexcept { return places_[position]; }
 
@@ -117,6 +125,23 @@ class device_values_of final : public device_values {
     return nullptr;
   }
 
+  [[nodiscard]] std::optional<bool> finite(std::size_t position) const override {
+    if constexpr (checks_finite) {
+      const device_place& p = place(position);
+      return B::template all_finite<W>(buffers_[p.buffer], p.offset, p.size);
+    }
+    return std::nullopt;
+  }
+  [[nodiscard]] std::optional<bool> all_finite() const override {
+    if constexpr (checks_finite) {
+      for (std::size_t d = 0; d < buffers_.size(); ++d) {
+        if (!B::template all_finite<W>(buffers_[d], 0, sizes_[d])) return false;
+      }
+      return true;
+    }
+    return std::nullopt;
+  }
+
   /// The buffer and offset of segment `position`, for the backend's add and map.
   [[nodiscard]] buffer& buffer_of(std::size_t position) noexcept { return buffers_[place(position).buffer]; }
   [[nodiscard]] const buffer& buffer_of(std::size_t position) const noexcept {
@@ -124,6 +149,10 @@ class device_values_of final : public device_values {
   }
 
  private:
+  static constexpr bool checks_finite = requires(const buffer& b) {
+    { B::template all_finite<W>(b, std::size_t{}, std::size_t{}) } -> std::convertible_to<bool>;
+  };
+
   std::vector<buffer> buffers_;
   std::vector<std::size_t> sizes_;  // elements of each buffer
 };

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <type_traits>
@@ -205,6 +206,23 @@ void for_each_piece(const flat_storage& storage, std::size_t position, std::size
     }
   };
   storage.dtype == float_dtype::f64 ? each(double{}) : each(float{});
+}
+
+/// Whether the `size` values of segment `position` (at `offset` in a host buffer) are all
+/// finite: checked on the device where the backend can (`all_finite`), else read as
+/// `for_each_piece` reads them.
+/// @throws std::bad_alloc, or what the backend's `all_finite` or `read` throws
+/// A template, as `copy_segment` below, so that a translation unit that checks nothing does not
+/// compile the check.
+template <class = void>
+bool segment_finite(const flat_storage& storage, std::size_t position, std::size_t offset, std::size_t size) {
+  if (storage.device) {
+    if (const std::optional<bool> on_device = storage.device->finite(position)) return *on_device;
+  }
+  bool finite = true;
+  for_each_piece(storage, position, offset, size,
+                 [&](auto values) { finite = finite && kernels::all_finite(values.data(), values.size()); });
+  return finite;
 }
 
 /// Copies `size` values from segment `from_position` (at `from_offset` in a host buffer) of

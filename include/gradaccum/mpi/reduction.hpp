@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -214,17 +215,21 @@ struct local_window {
     window.source_data = source_data;
   }
 
-  /// Whether the sums hold only finite values (read through host pieces on a device).
+  /// Whether the sums hold only finite values: on a device checked there, whole, when the
+  /// backend can (`all_finite`), else read through host pieces.
   [[nodiscard]] bool finite() const {
     const flat_storage* const sums = staged ? source.get() : storage.get();
     if (sums == nullptr) return true;
-    bool all = true;
-    for (std::size_t position = 0; position < layout->size() && all; ++position) {
-      if (sums->present[position] == 0) continue;
-      for_each_piece(*sums, position, (*layout)[position].offset, (*layout)[position].size,
-                     [&](auto values) { all = all && kernels::all_finite(values.data(), values.size()); });
+    if (sums->device) {
+      if (const std::optional<bool> on_device = sums->device->all_finite()) return *on_device;
     }
-    return all;
+    for (std::size_t position = 0; position < layout->size(); ++position) {
+      if (sums->present[position] != 0 &&
+          !segment_finite(*sums, position, (*layout)[position].offset, (*layout)[position].size)) {
+        return false;
+      }
+    }
+    return true;
   }
 
  private:

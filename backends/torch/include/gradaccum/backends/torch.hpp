@@ -167,6 +167,10 @@ struct torch_backend {
   static void divide(buffer<W>& b, std::size_t offset, std::size_t count, W first, W second) noexcept;
   template <class W>
   static void zero(buffer<W>& b, std::size_t offset, std::size_t count) noexcept;
+  /// Whether the values are all finite: `isfinite(...).all()` on the buffer's device, one value
+  /// copied back. @throws error(errc::parameter_mismatch) when libtorch fails.
+  template <class W>
+  static bool all_finite(const buffer<W>& b, std::size_t offset, std::size_t count);
   /// Host staging. @throws error(errc::parameter_mismatch) when libtorch fails to copy.
   template <class W>
   static void read(const buffer<W>& b, std::size_t offset, std::span<W> out);
@@ -361,6 +365,12 @@ void torch_backend::divide(buffer<W>& b, std::size_t offset, std::size_t count, 
 template <class W>
 void torch_backend::zero(buffer<W>& b, std::size_t offset, std::size_t count) noexcept {
   detail::torch_segment(b, offset, count).zero_();
+}
+
+template <class W>
+bool torch_backend::all_finite(const buffer<W>& b, std::size_t offset, std::size_t count) {
+  return detail::torch_guarded(
+      {}, [&] { return at::isfinite(detail::torch_segment(b, offset, count)).all().template item<bool>(); });
 }
 
 template <class W>
