@@ -214,8 +214,7 @@ void load(Archive& ar, dynamic_loss_scale_state& state, const std::uint32_t vers
   loaded.hysteresis_left =
       detail::load_unsigned(ar, site, "hysteresis_left", std::numeric_limits<std::uint64_t>::max());
   detail::check_checksum(ar, {errc::invalid_record, "loss scale state"}, detail::loss_scale_checksum(loaded));
-  if (!detail::valid_f32_scale(loaded.scale))
-    site.fail({"has scale ", loaded.scale, ", not a positive F32 value."});
+  if (!detail::valid_f32_scale(loaded.scale)) site.fail({"has scale ", loaded.scale, ", not a positive F32 value."});
   if (loaded.hysteresis_left == 0) site.fail({"has hysteresis_left 0; at least 1 is needed."});
   state = loaded;
 }

@@ -127,9 +127,10 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
                std::optional<dynamic_loss_scale_state>* scale = nullptr) {
   const bool with_scale = part != loss_scale_part::refused;
   const auto refuse_more = [&] {
-    fail(errc::invalid_record, {"checkpoint holds more than its ", record_name<R>(), with_scale ? " and loss scale" : "",
-                                " (a window saved with its dynamic_loss_scale loads with "
-                                "load_checkpoint(path, params, accumulator, scaler))."});
+    fail(errc::invalid_record,
+         {"checkpoint holds more than its ", record_name<R>(), with_scale ? " and loss scale" : "",
+          " (a window saved with its dynamic_loss_scale loads with "
+          "load_checkpoint(path, params, accumulator, scaler))."});
   };
   // After the record: `more` tells whether the input holds anything else (binary input left
   // over without a scale is reported below, with its size).
@@ -171,13 +172,13 @@ void read_into(sized_streambuf& source, std::string_view text, checkpoint_format
     fail_with(e.what());
   }
   if (!is_text_format(format) && source.remaining() != 0) {
-    fail(errc::invalid_record, {"checkpoint has ", source.remaining(), " bytes after its ",
-                                with_scale ? "record and loss scale" : "record", "; it is not one ", to_string(format),
-                                " record",
-                                with_scale ? ""
-                                           : " (a window saved with its dynamic_loss_scale loads with "
-                                             "load_checkpoint(path, params, accumulator, scaler))",
-                                "."});
+    fail(errc::invalid_record,
+         {"checkpoint has ", source.remaining(), " bytes after its ", with_scale ? "record and loss scale" : "record",
+          "; it is not one ", to_string(format), " record",
+          with_scale ? ""
+                     : " (a window saved with its dynamic_loss_scale loads with "
+                       "load_checkpoint(path, params, accumulator, scaler))",
+          "."});
   }
 }
 

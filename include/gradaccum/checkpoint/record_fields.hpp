@@ -117,9 +117,8 @@ struct load_site {
 
 /// Throws `site`'s error for a field that could not be read: in a text archive missing or not
 /// what it must be (`expected`), in a binary one cut off.
-[[noreturn, gnu::cold, gnu::noinline]] inline void fail_field(const load_site& site, std::string_view field,
-                                                              bool text, std::string_view expected,
-                                                              const char* cause) {
+[[noreturn, gnu::cold, gnu::noinline]] inline void fail_field(const load_site& site, std::string_view field, bool text,
+                                                              std::string_view expected, const char* cause) {
   if (!text) site.fail({"has a field '", field, "' that is cut off: the input is truncated (", cause, ")."});
   site.fail({"has a field '", field, "' that is missing or not ", expected, " (", cause, ")."});
 }

@@ -171,8 +171,8 @@ std::string load_directory(Archive& ar, std::uint64_t count, std::uint64_t min_e
   // Bounded by what `count` entries can take, before the bytes left are even asked (a sparse
   // file "holds" whatever it claims).
   if (directory_bytes != 0 && (directory_bytes - 1) / max_entry >= count) {
-    site.fail({"has a directory of ", directory_bytes, " bytes, more than the entries of its ", count,
-               " tensors take."});
+    site.fail(
+        {"has a directory of ", directory_bytes, " bytes, more than the entries of its ", count, " tensors take."});
   }
   std::string directory;
   load_raw(ar, directory, directory_bytes, site, "directory");

@@ -53,7 +53,8 @@ void check_saved_id(std::string_view id) {
   }
   if (is_text_archive<Archive> && id.find('\0') != std::string_view::npos) {
     fail(errc::invalid_record,
-         {"tensor id ", quote(id), " holds a NUL byte, which JSON and XML archives cannot hold; save it in a binary format."},
+         {"tensor id ", quote(id),
+          " holds a NUL byte, which JSON and XML archives cannot hold; save it in a binary format."},
          id);
   }
 }

@@ -102,8 +102,7 @@ class gradients_accumulator<B>::restorer {
     if (!layout_) layout_ = target_->layout_for(*params_);
     const auto position = position_of(id);
     if (!position) {
-      detail::fail(errc::unknown_parameters, {"record tensor '", id, "' names no parameter of the parameter set."},
-                   id);
+      detail::fail(errc::unknown_parameters, {"record tensor '", id, "' names no parameter of the parameter set."}, id);
     }
     if (!detail::same_shape<B>(shape, (*params_)[*position].shape)) {
       detail::fail(errc::parameter_mismatch,
