@@ -174,10 +174,14 @@ struct weighted_gradients_view {
 
 }  // namespace detail
 
+// The checks below are templates of nothing, called as `validate(record)`: a file that
+// includes the core compiles them only if it calls one (they instantiate the id sort).
+
 /// @brief Checks a record on its own: ids of at most `max_id_length` bytes, no duplicate ids, values of the declared
 /// dtype, element counts that match shapes.
 /// @throws error(errc::invalid_record) naming the first problem and the offending id.
-inline void validate(const gradients_params_record& record) {
+template <class = void>
+void validate(const gradients_params_record& record) {
   for (const tensor_record& tensor : record.tensors) {
     if (tensor.id.size() > max_id_length) {
       detail::fail(errc::invalid_record,
@@ -231,7 +235,8 @@ inline void validate(const gradients_params_record& record) {
 /// @brief Checks a window state: work dtype, a representable positive loss scale, a
 /// representable non-negative total weight, and no weight without microbatches.
 /// @throws error(errc::invalid_state) naming the problem.
-inline void validate(const weighted_accumulation_state& state) {
+template <class = void>
+void validate(const weighted_accumulation_state& state) {
   if (!is_work_dtype(state.dtype)) {
     detail::fail(errc::invalid_state,
                  {"accumulation state has work dtype ", to_string(state.dtype), "; only F32 and F64 are work dtypes."});
@@ -280,7 +285,8 @@ void check_pending_against(const weighted_accumulation_state& state, std::size_t
 /// (`detail::check_pending_against`) and a well-formed gradients record.
 /// @throws error(errc::invalid_state) for the state and its agreement with the tensors,
 /// error(errc::invalid_record) for the tensors themselves.
-inline void validate(const weighted_gradients_record& record) {
+template <class = void>
+void validate(const weighted_gradients_record& record) {
   validate(record.state);
   detail::check_pending_against(record.state, record.gradients.tensors.size(), [&](auto&& check) {
     for (const tensor_record& tensor : record.gradients.tensors) check(tensor.id, tensor.dtype);

@@ -42,6 +42,8 @@ struct flat_storage {
   std::unique_ptr<device_values> device;  // instead of `bytes`, for a device_buffers_backend
 
   /// @throws std::bad_alloc
+  /// (A template of nothing: a file that includes the core compiles it only when it makes a window.)
+  template <class = void>
   static std::shared_ptr<flat_storage> allocate(float_dtype dtype, std::size_t elements, std::size_t segments) {
     auto storage = std::make_shared<flat_storage>();
     const std::size_t size = elements * (dtype == float_dtype::f64 ? 8 : 4);
