@@ -166,16 +166,15 @@ inline bool reachable_scale(const dynamic_loss_scale_options& options, double sc
          power_of_two_multiple(scale, options.min_scale, step);
 }
 
-}  // namespace detail
-
-inline dynamic_loss_scale::dynamic_loss_scale(const dynamic_loss_scale_options& options,
-                                              const dynamic_loss_scale_state& state)
-    : options_(options), state_(state) {
+/// The checks of `dynamic_loss_scale(options, state)`. A template of nothing, so that
+/// `GRADACCUM_EXTERN_TEMPLATES` can compile it in one file of a program instead of in each.
+template <class = void>
+void check_loss_scale(const dynamic_loss_scale_options& options, const dynamic_loss_scale_state& state) {
   const auto reject = [](const char* what, double value) {
-    detail::fail(errc::invalid_scalar, {"dynamic loss scale: ", what, " ", value, " is out of range."});
+    fail(errc::invalid_scalar, {"dynamic loss scale: ", what, " ", value, " is out of range."});
   };
-  if (!detail::exact_f32_scale(options.min_scale)) reject("min_scale", options.min_scale);
-  if (!(detail::exact_f32_scale(options.init_scale) && options.init_scale >= options.min_scale)) {
+  if (!exact_f32_scale(options.min_scale)) reject("min_scale", options.min_scale);
+  if (!(exact_f32_scale(options.init_scale) && options.init_scale >= options.min_scale)) {
     reject("init_scale", options.init_scale);
   }
   if (!(options.growth_factor > 1.0 && std::isfinite(options.growth_factor))) {
@@ -184,12 +183,20 @@ inline dynamic_loss_scale::dynamic_loss_scale(const dynamic_loss_scale_options& 
   if (!(options.backoff_factor > 0.0 && options.backoff_factor < 1.0)) reject("backoff_factor", options.backoff_factor);
   if (options.growth_interval == 0) reject("growth_interval", 0.0);
   if (options.hysteresis == 0) reject("hysteresis", 0.0);
-  if (!detail::reachable_scale(options, state.scale) || state.growth_tracker >= options.growth_interval ||
+  if (!reachable_scale(options, state.scale) || state.growth_tracker >= options.growth_interval ||
       state.hysteresis_left == 0 || state.hysteresis_left > options.hysteresis) {
-    detail::fail(errc::invalid_state,
-                 {"dynamic loss scale state (scale ", state.scale, ", growth_tracker ", state.growth_tracker,
-                  ", hysteresis_left ", state.hysteresis_left, ") cannot be reached with these options."});
+    fail(errc::invalid_state,
+         {"dynamic loss scale state (scale ", state.scale, ", growth_tracker ", state.growth_tracker,
+          ", hysteresis_left ", state.hysteresis_left, ") cannot be reached with these options."});
   }
+}
+
+}  // namespace detail
+
+inline dynamic_loss_scale::dynamic_loss_scale(const dynamic_loss_scale_options& options,
+                                              const dynamic_loss_scale_state& state)
+    : options_(options), state_(state) {
+  detail::check_loss_scale(options, state);
 }
 
 inline bool dynamic_loss_scale::update(bool found_non_finite) noexcept {

@@ -150,12 +150,19 @@ class message_piece {
   throw error(code, message, std::move(param_id));
 }
 
+/// The pieces back to back. A template of nothing, so that `GRADACCUM_EXTERN_TEMPLATES` can
+/// compile it (and the number formatting under it) in one file of a program instead of in each.
+template <class = void>
+std::string message_text(std::initializer_list<message_piece> message) {
+  std::string text;
+  for (const message_piece& piece : message) piece.append_to(text);
+  return text;
+}
+
 /// Throws an `error` whose message is the pieces back to back.
 [[noreturn, gnu::cold, gnu::noinline]] inline void fail(errc code, std::initializer_list<message_piece> message,
                                                         std::string_view param_id = {}) {
-  std::string text;
-  for (const message_piece& piece : message) piece.append_to(text);
-  throw error(code, text, std::string(param_id));
+  throw error(code, message_text(message), std::string(param_id));
 }
 
 }  // namespace detail
