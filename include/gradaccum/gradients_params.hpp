@@ -300,7 +300,9 @@ class gradients_params {
     if constexpr (!std::is_same_v<stored, std::remove_cvref_t<A>>) {
       if (position) {  // a view re-seats its slot: nothing allocates
         value_type replacement(std::in_place_type<stored>, std::forward<A>(value));
-        const std::size_t parameter = params_ ? detail::resolve(*params_, id, replacement, 0) : 0;
+        // The alternative as its type: resolving the variant would compile a check per alternative.
+        const std::size_t parameter =
+            params_ ? detail::resolve(*params_, id, detail::unwrap(*std::get_if<stored>(&replacement)), 0) : 0;
         owned_ -= is_view(entries_[*position].value) ? 0 : 1;
         entries_[*position].value = std::move(replacement);
         entries_[*position].adds = &detail::adds_of<B, stored>;
@@ -313,7 +315,7 @@ class gradients_params {
       entry* made = construct_entry<stored>(node, std::string(id), std::forward<A>(value));
       if (params_) {
         try {
-          made->position = detail::resolve(*params_, id, made->value, 0);
+          made->position = detail::resolve(*params_, id, detail::unwrap(*std::get_if<stored>(&made->value)), 0);
         } catch (...) {
           std::destroy_at(made);
           throw;
