@@ -6,8 +6,8 @@
 /// (`weighted_gradients_accumulator<B>`: accumulate, finish, `non_finite`; with its
 /// `parameter_set<B>`, `gradients_params<B>` and result `flat_gradients<B>`), the global norm and
 /// clipping of its result, the loss scaler's checks and the error messages are most of what
-/// gradaccum costs the compiler there, and none of it depends on the caller's code. These macros move it into one file,
-/// as C++'s explicit instantiation does (`extern template`):
+/// gradaccum costs the compiler there, and none of it depends on the caller's code. These macros
+/// move it into one file, as C++'s explicit instantiation does (`extern template`):
 ///
 /// @code
 /// // In every file that uses the window, after its includes (a project header is a good place):
