@@ -196,7 +196,7 @@ void hand_snapshot(benchmark::State& state, const window& w) {
 }
 
 /// The checksum alone: XXH3-64 over as many bytes as the window's values, in the pieces a save
-/// or load of format 4 hashes them, each in cache (see the file comment; the rest of the record
+/// or load hashes them, each in cache (see the file comment; the rest of the record
 /// adds a few dozen bytes), so its share of a save or load shows.
 void checksum_only(benchmark::State& state, const window& w) {
   const std::size_t total = w.count * w.elements;

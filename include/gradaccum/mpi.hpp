@@ -23,6 +23,10 @@
 /// Optional: include it next to `<gradaccum/gradaccum.hpp>` and link `gradaccum-mpi` (the Meson
 /// feature `mpi`); the umbrella header never includes it. Every rank must use the same backend
 /// and pass the same parameter set (same ids, shapes and order).
+///
+/// About 600 lines, kept together: the public calls and their contracts come first, then their
+/// definitions, which are the order of each call's collectives (agreement, buckets, normalization)
+/// and belong beside one another; the machinery under them is in `mpi/`.
 
 #include <algorithm>
 #include <cmath>
@@ -48,8 +52,8 @@ namespace gradaccum {
 
 /// @brief How many bytes `allreduce_mean` and `start_allreduce_mean` sum per collective unless
 /// told otherwise (as DDP's `bucket_cap_mb`): a bucket is normalized as soon as its sum arrives,
-/// while it is still in cache where MPI's transport leaves it there (README "Going
-/// multi-process": Open MPI's single copy through the kernel does not, on one node).
+/// while it is still in cache where MPI's transport leaves it there (docs/multi-process.md:
+/// Open MPI's single copy through the kernel does not, on one node).
 inline constexpr std::size_t default_bucket_bytes = std::size_t{4} << 20;
 
 /// @brief How `reduce_scatter_mean` sums a window.
