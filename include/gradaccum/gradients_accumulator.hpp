@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gradaccum/backend.hpp"
+#include "gradaccum/detail/accumulator_restorer.hpp"
 #include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
 #include "gradaccum/flat_gradients.hpp"
@@ -174,11 +175,12 @@ class gradients_accumulator {
   /// of `load_record`; the accumulator changes only on `commit()`. A sink of
   /// `<gradaccum/cereal.hpp>`'s loaders, which `load_checkpoint` uses to read values straight
   /// into the buffer.
-  class restorer;  // <gradaccum/detail/accumulator_restorer.hpp>
+  using restorer = detail::accumulator_restorer<B>;
 
  private:
   template <class>
   friend class weighted_gradients_accumulator;
+  friend class detail::accumulator_restorer<B>;
 
   /// The values of a record tensor, for `restorer::add`.
   struct record_values_source {
@@ -435,6 +437,15 @@ class gradients_accumulator {
   }
 
   /// Keeps `buffer`'s storage among the two `recycle` may hand out again.
+  /// The restorer's commit: `storage` laid out by `layout` becomes the pending sums (`kept`, when
+  /// set, the layout kept across windows); the buffer replaced serves a later load or window.
+  void adopt_pending(const std::shared_ptr<const flat_layout<B>>& kept, std::shared_ptr<const flat_layout<B>> layout,
+                     std::shared_ptr<detail::flat_storage> storage) noexcept {
+    if (kept) layout_ = kept;
+    remember(pending_);
+    pending_ = flat_gradients<B>(std::move(layout), std::move(storage));
+  }
+
   void remember(const flat_gradients<B>& buffer) noexcept {
     if (!buffer.storage_) return;
     recycled_[1] = std::move(recycled_[0]);
@@ -479,5 +490,3 @@ class gradients_accumulator {
 };
 
 }  // namespace gradaccum
-
-#include "gradaccum/detail/accumulator_restorer.hpp"

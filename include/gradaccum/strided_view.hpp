@@ -13,6 +13,10 @@
 /// whatever the layout of the caller's object (row- or column-major, a block, a transpose, a
 /// strided slice), keeps the variant of stored gradients small, and its `add_scaled` takes the
 /// contiguous kernel whenever the strides allow it, so every layout gives the same bits.
+///
+/// Also here, for what goes into a `gradients_params`: `copied_view<T>` (what a backend's `adapt`
+/// returns for an object that owns its storage: copied at insert) and `gradaccum::view(x)` (read
+/// `x` in place instead).
 
 #include <array>
 #include <cstddef>
@@ -129,5 +133,33 @@ void copy_row_major(const strided_view<T>& g, std::span<U> out) noexcept {
     }
   }
 }
+
+/// @brief What a backend's `adapt` returns for values the library must not keep a view of: an
+/// object that owns its storage, given as an lvalue. No compiler tells `Eigen::VectorXf v; v`
+/// from `Eigen::VectorXf(n).setOnes()` (an lvalue reference to a temporary), so both are copied
+/// at insert: `gradients_params` copies the storage `view` spans into storage its entry keeps
+/// (reused by `insert_or_assign`) and reads the copy through the same strides. For a host
+/// backend whose `view<T>` is `strided_view<const T>`.
+template <class T>
+struct copied_view {
+  strided_view<const T> view;
+};
+
+/// @brief The object `insert` is given through `gradaccum::view(x)`: read in place.
+template <class X>
+struct in_place {
+  const X& object;
+};
+
+/// @brief Asks `gradients_params::insert` to read `x` in place rather than copy it, as it does
+/// an object that owns its storage: `x` must then outlive every accumulation call that reads it
+/// (a buffer the backward pass rewrites, inserted once). Maps, blocks, `Ref`s, xtensor views
+/// and adaptors are read in place without it. A temporary is refused (it would dangle).
+template <class X>
+[[nodiscard]] constexpr in_place<X> view(const X& x) noexcept {
+  return {x};
+}
+template <class X>
+void view(const X&&) = delete;
 
 }  // namespace gradaccum

@@ -114,13 +114,35 @@ def misplaced(root, all_headers, direct, local):
     return found
 
 
+def cycles(local):
+    """Include cycles among gradaccum's headers, each as the chain of headers that closes it: every
+    include must point down a layer, so a header never reaches itself."""
+    found, state = [], {}  # state: 1 while on the current path, 2 once finished
+
+    def visit(name, path):
+        state[name] = 1
+        for included in local[name]:
+            if state.get(included) == 1:
+                found.append(path[path.index(included):] + [included])
+            elif included not in state:
+                visit(included, path + [included])
+        state[name] = 2
+
+    for name in sorted(local):
+        if name not in state:
+            visit(name, [name])
+    return found
+
+
 def listing(root):
     all_headers = headers(root)
     needs, unknown, direct, local = classify(all_headers)
+    problems_of_cycles = [f"include cycle: {' -> '.join(chain)} (every include must point down a layer)"
+                          for chain in cycles(local)]
     lines = sorted(f"{'+'.join(sorted(components)) or 'core'} {name}" for name, components in needs.items())
     problems = [f"{header} includes <{included}>, which is neither a standard header nor a known dependency "
                 f"(add it to COMPONENT_OF_PREFIX in {pathlib.Path(__file__).name})" for header, included in unknown]
-    return lines, problems + misplaced(root, all_headers, direct, local)
+    return lines, problems + problems_of_cycles + misplaced(root, all_headers, direct, local)
 
 
 def main():

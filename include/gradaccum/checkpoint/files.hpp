@@ -21,8 +21,8 @@
 #include <utility>
 
 #include "gradaccum/cereal.hpp"
-#include "gradaccum/checkpoint.hpp"
 #include "gradaccum/checkpoint/binary_archives.hpp"
+#include "gradaccum/checkpoint/declarations.hpp"
 #include "gradaccum/checkpoint/posix_file.hpp"
 #include "gradaccum/checkpoint/tensor_sink.hpp"
 #include "gradaccum/checkpoint/text_archives.hpp"

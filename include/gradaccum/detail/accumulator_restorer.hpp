@@ -1,6 +1,7 @@
 #pragma once
 /// @file
-/// @brief `gradients_accumulator<B>::restorer`: pending sums restored tensor by tensor as a
+/// @brief `detail::accumulator_restorer<B>`, the `restorer` of `gradients_accumulator<B>`:
+/// pending sums restored tensor by tensor as a
 /// loader reads them (`load_record`, `load_checkpoint`), committed only once all are in.
 
 #include <cstddef>
@@ -13,15 +14,27 @@
 #include <utility>
 #include <vector>
 
+#include "gradaccum/detail/flat_storage.hpp"
+#include "gradaccum/dtype.hpp"
 #include "gradaccum/error.hpp"
-#include "gradaccum/gradients_accumulator.hpp"
+#include "gradaccum/flat_gradients.hpp"
+#include "gradaccum/flat_layout.hpp"
+#include "gradaccum/parameter_set.hpp"
+#include "gradaccum/shape.hpp"
 
 namespace gradaccum {
 
 template <class B>
-class gradients_accumulator<B>::restorer {
+class gradients_accumulator;
+
+namespace detail {
+
+// A friend of the accumulator, defined apart from it (it only declares it): the accumulator's
+// members it reaches are resolved where the restorer is used, when the accumulator is complete.
+template <class B>
+class accumulator_restorer {
  public:
-  restorer(gradients_accumulator& target, const parameter_set<B>& params) noexcept
+  accumulator_restorer(gradients_accumulator<B>& target, const parameter_set<B>& params) noexcept
       : target_(&target), params_(&params) {}
 
   /// @brief Requires every tensor to be of work dtype `dtype` (`errc::invalid_state`
@@ -81,11 +94,9 @@ class gradients_accumulator<B>::restorer {
       const flat_segment<B>& s = (*layout_)[position];
       storage_->zero_segment(position, s.offset, s.size);
     }
-    if (layout_) target_->layout_ = layout_;
-    target_->remember(target_->pending_);  // the buffer replaced serves a later load or window
     // The layout is chosen before the storage is moved: argument evaluation order is unspecified.
     std::shared_ptr<const flat_layout<B>> layout = storage_ ? layout_ : nullptr;
-    target_->pending_ = flat_gradients<B>(std::move(layout), std::move(storage_));
+    target_->adopt_pending(layout_, std::move(layout), std::move(storage_));
   }
 
  private:
@@ -98,7 +109,7 @@ class gradients_accumulator<B>::restorer {
                     " but the accumulation state's work dtype is ", to_string(*expected_), "."},
                    id);
     }
-    require_pending_dtype(id, dtype);
+    gradients_accumulator<B>::require_pending_dtype(id, dtype);
     if (!layout_) layout_ = target_->layout_for(*params_);
     const auto position = position_of(id);
     if (!position) {
@@ -204,7 +215,7 @@ class gradients_accumulator<B>::restorer {
     return params_->find(id);
   }
 
-  gradients_accumulator* target_;
+  gradients_accumulator<B>* target_;
   const parameter_set<B>* params_;
   std::size_t next_ = 0;  // where `position_of` walks `by_id()` from
   std::optional<float_dtype> expected_;
@@ -214,4 +225,5 @@ class gradients_accumulator<B>::restorer {
   std::vector<std::size_t> placed_;  // positions of the tensors `place`d, in their order
 };
 
+}  // namespace detail
 }  // namespace gradaccum

@@ -34,38 +34,6 @@
 #include "gradaccum/strided_view.hpp"
 #include "gradaccum/type_list.hpp"
 
-namespace gradaccum {
-
-/// @brief What a backend's `adapt` returns for values the library must not keep a view of: an
-/// object that owns its storage, given as an lvalue. No compiler tells `Eigen::VectorXf v; v`
-/// from `Eigen::VectorXf(n).setOnes()` (an lvalue reference to a temporary), so both are copied
-/// at insert: `gradients_params` copies the storage `view` spans into storage its entry keeps
-/// (reused by `insert_or_assign`) and reads the copy through the same strides. For a host
-/// backend whose `view<T>` is `strided_view<const T>`.
-template <class T>
-struct copied_view {
-  strided_view<const T> view;
-};
-
-/// @brief The object `insert` is given through `gradaccum::view(x)`: read in place.
-template <class X>
-struct in_place {
-  const X& object;
-};
-
-/// @brief Asks `gradients_params::insert` to read `x` in place rather than copy it, as it does
-/// an object that owns its storage: `x` must then outlive every accumulation call that reads it
-/// (a buffer the backward pass rewrites, inserted once). Maps, blocks, `Ref`s, xtensor views
-/// and adaptors are read in place without it. A temporary is refused (it would dangle).
-template <class X>
-[[nodiscard]] constexpr in_place<X> view(const X& x) noexcept {
-  return {x};
-}
-template <class X>
-void view(const X&&) = delete;
-
-}  // namespace gradaccum
-
 namespace gradaccum::detail {
 
 template <class B, class A>
