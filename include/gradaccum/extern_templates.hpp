@@ -38,6 +38,23 @@
 #include "gradaccum/kernels.hpp"
 #include "gradaccum/weighted_gradients_accumulator.hpp"
 
+/// @brief In every file that uses backend `B`'s window: its code is compiled elsewhere (by
+/// `GRADACCUM_INSTANTIATE_TEMPLATES`), not here. At namespace scope, after the includes; once
+/// per backend.
+#define GRADACCUM_EXTERN_TEMPLATES(B) \
+  GRADACCUM_DETAIL_SHARED(extern template) GRADACCUM_DETAIL_TEMPLATES(extern template, B)
+
+/// @brief In one file of the program, which does not use `GRADACCUM_EXTERN_TEMPLATES`: compiles
+/// the windows of the backends named (one to four, every backend the program declares extern)
+/// and the kernels they share. At namespace scope, after the includes.
+#define GRADACCUM_INSTANTIATE_TEMPLATES(...)                                                                 \
+  GRADACCUM_DETAIL_SHARED(template)                                                                          \
+  GRADACCUM_DETAIL_PICK(__VA_ARGS__, GRADACCUM_DETAIL_EACH4, GRADACCUM_DETAIL_EACH3, GRADACCUM_DETAIL_EACH2, \
+                        GRADACCUM_DETAIL_EACH1, unused)                                                      \
+  (GRADACCUM_DETAIL_INSTANTIATE_ONE, __VA_ARGS__)
+
+// ---- What the two expand to ----------------------------------------------------------------
+
 // The arguments are types and declaration prefixes, which cannot be parenthesized.
 // NOLINTBEGIN(bugprone-macro-parentheses)
 /// The declarations shared by both macros, `prefix` being `extern template` or `template`: backend
@@ -83,18 +100,3 @@
 #define GRADACCUM_DETAIL_EACH3(X, b1, b2, b3) X(b1) X(b2) X(b3)
 #define GRADACCUM_DETAIL_EACH4(X, b1, b2, b3, b4) X(b1) X(b2) X(b3) X(b4)
 // NOLINTEND(bugprone-macro-parentheses)
-
-/// @brief In every file that uses backend `B`'s window: its code is compiled elsewhere (by
-/// `GRADACCUM_INSTANTIATE_TEMPLATES`), not here. At namespace scope, after the includes; once
-/// per backend.
-#define GRADACCUM_EXTERN_TEMPLATES(B) \
-  GRADACCUM_DETAIL_SHARED(extern template) GRADACCUM_DETAIL_TEMPLATES(extern template, B)
-
-/// @brief In one file of the program, which does not use `GRADACCUM_EXTERN_TEMPLATES`: compiles
-/// the windows of the backends named (one to four, every backend the program declares extern)
-/// and the kernels they share. At namespace scope, after the includes.
-#define GRADACCUM_INSTANTIATE_TEMPLATES(...)                                                                 \
-  GRADACCUM_DETAIL_SHARED(template)                                                                          \
-  GRADACCUM_DETAIL_PICK(__VA_ARGS__, GRADACCUM_DETAIL_EACH4, GRADACCUM_DETAIL_EACH3, GRADACCUM_DETAIL_EACH2, \
-                        GRADACCUM_DETAIL_EACH1, unused)                                                      \
-  (GRADACCUM_DETAIL_INSTANTIATE_ONE, __VA_ARGS__)

@@ -12,6 +12,18 @@
 /// work type, multiplied, then added (two roundings). clang's -ffp-contract=fast overrides
 /// that by definition (it disregards FP_CONTRACT pragmas); its fast-honor-pragmas does not.
 /// Every kernel is elementwise, so splitting a range across threads gives bit-identical results.
+///
+/// In `gradaccum::kernels` (W a work type, `float` or `double`; T any element type):
+///
+///     add_scaled(W* acc, const T* g, size_t count, W scale)          acc[i] += scale · W(g[i])
+///     add_scaled_strided(W* acc, const T* g, dims, strides, W scale) the same over a strided g
+///     add_scaled_transposed(W* acc, const T* g, rows, cols, W scale) g column-major
+///     add_scaled_plane(acc, acc_row, g, row_stride, col_stride, rows, cols, scale)  a 2-D block
+///     convert(To* out, const From* in, size_t count)                 out[i] = To(in[i])
+///     divide(W* x, size_t count, W first, W second)                  x[i] = (x[i] / first) / second
+///     sum_of_squares(const W* x, size_t count) -> double             Σ x[i]², one fixed order
+///     all_finite(const T* x, size_t count) -> bool                   no NaN or infinity
+///     to_work<W>(T value), f16_bits_to_float, bf16_bits_to_float, bits_of   one element
 
 #include <array>
 #include <bit>

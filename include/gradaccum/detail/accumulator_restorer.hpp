@@ -1,8 +1,8 @@
 #pragma once
 /// @file
-/// @brief `detail::accumulator_restorer<B>`, the `restorer` of `gradients_accumulator<B>`:
-/// pending sums restored tensor by tensor as a
-/// loader reads them (`load_record`, `load_checkpoint`), committed only once all are in.
+/// @brief `detail::accumulator_restorer<B>`, the `restorer` of `gradients_accumulator<B>`: pending
+/// sums restored tensor by tensor as a loader reads them (`load_record`, `load_checkpoint`),
+/// committed only once all are in.
 
 #include <cstddef>
 #include <cstring>
