@@ -3,7 +3,11 @@
 // (accumulate_mean, or accumulate_sum for gradients of a loss sum), finish_mean,
 // clip_by_global_norm and a dynamic_loss_scale. mlp_by_hand.cpp is the same loop without it.
 // With -DEXTERN_TEMPLATES it declares the window compiled elsewhere (<gradaccum/extern_templates.hpp>).
+// mlp_checkpoint.cpp is this file with WITH_CHECKPOINT defined (target (b)).
 #include <gradaccum/backends/eigen.hpp>
+#ifdef WITH_CHECKPOINT
+#include <gradaccum/checkpoint.hpp>
+#endif
 #include <gradaccum/gradaccum.hpp>
 
 #include <cmath>
@@ -46,6 +50,12 @@ int main() {
         window.accumulate_mean(params, grads, mb.tokens());
       }
     }
+#ifdef WITH_CHECKPOINT
+    if (step == 50) {  // resume from a checkpoint of the full window
+      gradaccum::save_checkpoint("mlp_window.bin", window, scaler);
+      gradaccum::load_checkpoint("mlp_window.bin", params, window, scaler);
+    }
+#endif
     auto mean = window.finish_mean(params);
     const double norm = gradaccum::clip_by_global_norm(mean, max_norm);
     if (scaler.update(!std::isfinite(norm))) {  // false after an overflow: skip the step, back off
