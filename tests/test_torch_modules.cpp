@@ -1,8 +1,8 @@
 // The libtorch backend's helpers for a module: torch_parameters and torch_gradients take
 // named_parameters() as it is (ties once, frozen parameters skipped), write_gradients writes a
 // finished mean back into .grad() (in place where it can, checking every parameter first), and
-// a torch::optim optimizer steps on it. What goes in, and agreement with the other backends, is
-// in test_torch_inputs.cpp.
+// a torch::optim optimizer steps on it. What goes in is in test_torch_inputs.cpp, agreement with
+// the other backends in test_torch_backends.cpp.
 #include "test_torch_support.hpp"
 
 #include <cstdint>

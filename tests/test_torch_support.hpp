@@ -1,7 +1,7 @@
 #pragma once
 /// @file
-/// @brief What test_torch_inputs.cpp and test_torch_modules.cpp share: libtorch included before
-/// doctest, and tensors read back as floats.
+/// @brief What the libtorch tests (test_torch_inputs.cpp, test_torch_backends.cpp and
+/// test_torch_modules.cpp) share: libtorch included before doctest, and tensors read back as floats.
 
 // Before doctest: c10 defines a CHECK macro, which doctest's must replace.
 #include <torch/torch.h>
